@@ -1,0 +1,80 @@
+"""The reference semantics of bias_act_dropout: Dropout(Activation(x + bias)).
+
+``reference`` is the differentiable definition (autograd gives the reference gradients, ``upcast``
+computes in float64 for checks); ``forward``/``backward`` are what the eager backend runs, with the
+mask regenerated from ``rng`` in backward instead of stored.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from dispatch import rng as dropout_rng
+from dispatch.activations import ACTIVATIONS
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _pre_activation(x: Tensor, bias: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+    z = x.to(dtype, memory_format=torch.contiguous_format, copy=True)  # (M, N)
+    if bias is not None:
+        z += bias.to(dtype)
+    return z
+
+
+def _mask_scale(y: Tensor, p: float, rng: Optional[Tensor]) -> Tensor:
+    if rng is None:
+        return y
+    keep = dropout_rng.keep_mask(rng, y.shape[0], y.shape[1], p)
+    return torch.where(keep, y * dropout_rng.keep_scale(p), 0.0)
+
+
+def reference(
+    x: Tensor,
+    bias: Optional[Tensor],
+    activation: str,
+    p: float = 0.0,
+    rng: Optional[Tensor] = None,
+    upcast: bool = False,
+) -> Tensor:
+    """Differentiable reference on (..., N) inputs; float64 when ``upcast``, else x's dtype."""
+    n = x.shape[-1]
+    dtype = torch.float64 if upcast else x.dtype
+    z = x.reshape(-1, n).to(dtype)
+    if bias is not None:
+        z = z + bias.to(dtype)
+    y = ACTIVATIONS[activation].forward(z)
+    if rng is not None:
+        keep = dropout_rng.keep_mask(rng, z.shape[0], n, p)
+        y = torch.where(keep, y * dropout_rng.keep_scale(p), 0.0)
+    return y.reshape(x.shape)
+
+
+def forward(
+    x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Tensor]
+) -> Tensor:
+    z = _pre_activation(x, bias, _compute_dtype(x.dtype))
+    return _mask_scale(ACTIVATIONS[activation].forward(z), p, rng).to(x.dtype)
+
+
+def backward(
+    grad_y: Tensor,
+    x: Tensor,
+    bias: Optional[Tensor],
+    activation: str,
+    p: float,
+    rng: Optional[Tensor],
+    need_x: bool,
+    need_bias: bool,
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    dtype = _compute_dtype(x.dtype)
+    z = _pre_activation(x, bias, dtype)
+    grad_z = _mask_scale(grad_y.to(dtype), p, rng) * ACTIVATIONS[activation].derivative(z)
+    grad_x = grad_z.to(x.dtype) if need_x else None
+    grad_bias = grad_z.sum(0).to(bias.dtype) if need_bias and bias is not None else None
+    return grad_x, grad_bias

@@ -1,0 +1,66 @@
+"""The reference semantics of fused_linear: Activation(x @ W^T + b).
+
+``reference`` is the differentiable definition (``upcast`` computes in float64); ``forward`` and
+``backward`` are what the eager backend runs: cuBLAS/CPU BLAS for the products, the activation and its
+derivative from the one table, in float32 for half inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dispatch.activations import ACTIVATIONS
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def reference(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    activation: str,
+    upcast: bool = False,
+) -> Tensor:
+    """Differentiable reference on (..., K) inputs; float64 when ``upcast``, else x's dtype."""
+    dtype = torch.float64 if upcast else x.dtype
+    b = None if bias is None else bias.to(dtype)
+    return ACTIVATIONS[activation].forward(F.linear(x.to(dtype), weight.to(dtype), b))
+
+
+def forward(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str
+) -> tuple[Tensor, Optional[Tensor]]:
+    pre = F.linear(x, weight, bias)  # (M, N)
+    if activation == "identity":
+        return pre, None
+    y = ACTIVATIONS[activation].forward(pre.to(_compute_dtype(x.dtype))).to(x.dtype)
+    return y, pre
+
+
+def backward(
+    grad_y: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    saved: Optional[Tensor],
+    activation: str,
+    needs: tuple[bool, bool, bool],
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    if activation == "identity":
+        grad_pre = grad_y
+    else:
+        pre = saved if saved is not None else F.linear(x, weight, bias)
+        dtype = _compute_dtype(x.dtype)
+        grad_pre = (grad_y.to(dtype) * ACTIVATIONS[activation].derivative(pre.to(dtype))).to(x.dtype)
+    grad_x = grad_pre @ weight if needs[0] else None  # (M, K)
+    grad_w = grad_pre.t() @ x if needs[1] else None  # (N, K)
+    grad_b = None
+    if needs[2] and bias is not None:
+        grad_b = grad_pre.sum(0, dtype=_compute_dtype(x.dtype)).to(bias.dtype)
+    return grad_x, grad_w, grad_b

@@ -1,0 +1,10 @@
+"""fusedispatch: fused transformer ops, each call sent to the fastest correct backend for it.
+
+    from dispatch import fused_bias_act_dropout, fused_linear, explain, use_backend
+"""
+
+from dispatch.activations import ACTIVATION_NAMES
+from dispatch.api import explain, fused_bias_act_dropout, fused_linear
+from dispatch.select import use_backend
+
+__all__ = ["ACTIVATION_NAMES", "explain", "fused_bias_act_dropout", "fused_linear", "use_backend"]

@@ -1,0 +1,94 @@
+"""The one table of activations: names, forward functions and derivatives.
+
+Every backend uses these names; the eager reference uses these torch functions. The Triton
+backend keeps jitted twins of each pair in ``backends/triton/activations.py`` under the same names.
+Half-precision inputs are computed in float32 by the callers and rounded once to the output dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+LEAKY_RELU_SLOPE = 0.01
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_GELU_TANH_C = 0.044715
+
+
+class Activation(NamedTuple):
+    name: str
+    forward: Callable[[Tensor], Tensor]
+    derivative: Callable[[Tensor], Tensor]  # d act / d z, evaluated at the pre-activation z
+
+
+def _relu_grad(z: Tensor) -> Tensor:
+    return (z > 0).to(z.dtype)
+
+
+def _leaky_relu_grad(z: Tensor) -> Tensor:
+    return torch.where(z > 0, 1.0, LEAKY_RELU_SLOPE).to(z.dtype)
+
+
+def _gelu_grad(z: Tensor) -> Tensor:
+    # d/dz z * Phi(z) = Phi(z) + z * phi(z)
+    cdf = 0.5 * (1.0 + torch.erf(z * _INV_SQRT_2))
+    pdf = torch.exp(-0.5 * z * z) * _INV_SQRT_2PI
+    return cdf + z * pdf
+
+
+def _gelu_tanh_grad(z: Tensor) -> Tensor:
+    # gelu_tanh(z) = 0.5 z (1 + tanh(u)), u = sqrt(2/pi) (z + 0.044715 z^3)
+    # d/dz = 0.5 (1 + tanh(u)) + 0.5 z (1 - tanh(u)^2) sqrt(2/pi) (1 + 3 * 0.044715 z^2)
+    t = torch.tanh(_SQRT_2_OVER_PI * (z + _GELU_TANH_C * z * z * z))
+    du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * z * z)
+    return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du
+
+
+def _squared_relu(z: Tensor) -> Tensor:
+    r = torch.relu(z)
+    return r * r
+
+
+def _silu_grad(z: Tensor) -> Tensor:
+    # d/dz z * s(z) = s(z) (1 + z (1 - s(z)))
+    s = torch.sigmoid(z)
+    return s * (1.0 + z * (1.0 - s))
+
+
+ACTIVATIONS: dict[str, Activation] = {
+    a.name: a
+    for a in (
+        Activation("identity", lambda z: z, torch.ones_like),
+        Activation("relu", torch.relu, _relu_grad),
+        Activation(
+            "leaky_relu",
+            lambda z: torch.nn.functional.leaky_relu(z, LEAKY_RELU_SLOPE),
+            _leaky_relu_grad,
+        ),
+        Activation("gelu", torch.nn.functional.gelu, _gelu_grad),
+        Activation(
+            "gelu_tanh",
+            lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
+            _gelu_tanh_grad,
+        ),
+        Activation("squared_relu", _squared_relu, lambda z: 2.0 * torch.relu(z)),
+        Activation("silu", torch.nn.functional.silu, _silu_grad),
+    )
+}
+
+ACTIVATION_NAMES: tuple[str, ...] = tuple(ACTIVATIONS)
+
+
+def get_activation(name: object) -> Activation:
+    """The table entry for ``name``; a ValueError listing the valid names otherwise."""
+    act = ACTIVATIONS.get(name) if isinstance(name, str) else None
+    if act is None:
+        raise ValueError(
+            f"activation must be one of {', '.join(ACTIVATION_NAMES)}; got {name!r}"
+        )
+    return act

@@ -1,0 +1,258 @@
+"""The two public ops: validate once, decide (cached), run the chosen backend."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from dispatch import rng as dropout_rng
+from dispatch.activations import ACTIVATIONS, get_activation
+from dispatch.registry import Call
+from dispatch.select import ENV_VAR, Decision, _requested, decide, select
+
+_FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_tensor(name: str, t: object) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must have a floating dtype (float16, bfloat16, float32 or float64), got {t.dtype}"
+        )
+    return t
+
+
+def _check_like(name: str, t: Tensor, x: Tensor) -> None:
+    if t.dtype != x.dtype:
+        raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+    if t.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
+
+
+def _check_bias(bias: object, n: int, x: Tensor) -> Optional[Tensor]:
+    if bias is None:
+        return None
+    b = _check_tensor("bias", bias)
+    _check_like("bias", b, x)
+    if b.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},) to match the output's last dimension, got {tuple(b.shape)}")
+    return b
+
+
+def _check_x(x: object) -> Tensor:
+    x = _check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (..., N), got a 0-d tensor")
+    return x
+
+
+def _check_activation(activation: object) -> str:
+    if activation not in ACTIVATIONS:
+        get_activation(activation)  # raises with the list of names
+    return activation  # type: ignore[return-value]
+
+
+def _check_backend(backend: object) -> Optional[str]:
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a backend name (str) or None, got {type(backend).__name__}")
+    return backend
+
+
+def _bias_act_dropout_args(
+    x: object, bias: object, activation: object, p: object, training: object, generator: object
+) -> tuple[Tensor, Optional[Tensor], str, float, bool]:
+    x = _check_x(x)
+    b = _check_bias(bias, x.shape[-1], x)
+    act = _check_activation(activation)
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
+        raise ValueError(f"p must be a number in [0, 1), got {p!r}")
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be a bool, got {type(training).__name__}")
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        if generator.device.type != x.device.type:
+            raise ValueError(f"generator must be on x's device type {x.device.type}, got {generator.device}")
+    return x, b, act, float(p), training and p > 0
+
+
+def _fused_linear_args(
+    x: object, weight: object, bias: object, activation: object
+) -> tuple[Tensor, Tensor, Optional[Tensor], str]:
+    x = _check_x(x)
+    w = _check_tensor("weight", weight)
+    _check_like("weight", w, x)
+    if w.dim() != 2 or w.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"weight must have shape (out_features, {x.shape[-1]}) to match x's last dimension, "
+            f"got {tuple(w.shape)}"
+        )
+    return x, w, _check_bias(bias, w.shape[0], x), _check_activation(activation)
+
+
+def _needs_grad(*tensors: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# ----------------------------------------------------------------------------- autograd glue
+
+
+class _BiasActDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x, bias, impl, activation, p, rng):  # type: ignore[override]
+        ctx.impl, ctx.activation, ctx.p = impl, activation, p
+        ctx.save_for_backward(x, bias, rng)
+        return impl.forward(x, bias, activation, p, rng)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y):  # type: ignore[override]
+        x, bias, rng = ctx.saved_tensors
+        need_x, need_bias = ctx.needs_input_grad[:2]
+        grad_x, grad_bias = ctx.impl.backward(
+            grad_y, x, bias, ctx.activation, ctx.p, rng, need_x, need_bias
+        )
+        return grad_x, grad_bias, None, None, None, None
+
+
+class _FusedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x, weight, bias, impl, activation):  # type: ignore[override]
+        y, saved = impl.forward(x, weight, bias, activation)
+        ctx.impl, ctx.activation = impl, activation
+        ctx.save_for_backward(x, weight, bias, saved)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y):  # type: ignore[override]
+        x, weight, bias, saved = ctx.saved_tensors
+        grads = ctx.impl.backward(
+            grad_y, x, weight, bias, saved, ctx.activation, tuple(ctx.needs_input_grad[:3])
+        )
+        return (*grads, None, None)
+
+
+# ----------------------------------------------------------------------------- the ops
+
+
+def fused_bias_act_dropout(
+    x: Tensor,
+    bias: Optional[Tensor] = None,
+    activation: str = "gelu",
+    p: float = 0.0,
+    training: bool = True,
+    *,
+    generator: Optional[torch.Generator] = None,
+    backend: Optional[str] = None,
+) -> Tensor:
+    """Dropout(Activation(x + bias)) in one fused pass, forward and backward.
+
+    x: (..., N) floating tensor; bias: (N,) or None, x's dtype and device. activation: one of
+    ``dispatch.ACTIVATION_NAMES``. Dropout follows ``dispatch.rng``'s spec: a 16-bit threshold, so the
+    realized drop probability is within 1/131072 of p and kept values are scaled to preserve the mean
+    exactly; the mask is regenerated in backward, never stored. ``training=False`` or ``p == 0``
+    draws no random numbers. ``backend`` forces a backend (see ``dispatch.explain``).
+
+    Equivalent PyTorch::
+
+        F.dropout(act(x + bias), p, training)   # up to the choice of random bits
+    """
+    x, bias, activation, p, dropout = _bias_act_dropout_args(x, bias, activation, p, training, generator)
+    _check_backend(backend)
+    n = x.shape[-1]
+    rng = dropout_rng.draw(x.device, generator) if dropout else None
+    p = p if dropout else 0.0
+    x2d = x.reshape(math.prod(x.shape[:-1]), n)  # (M, N), a view whenever the strides allow
+    if torch.compiler.is_compiling():
+        from dispatch import library
+
+        return library.bias_act_dropout(x2d, bias, activation, p, rng, backend or "", _needs_grad(x, bias)).view(x.shape)
+    grad = _needs_grad(x, bias)
+    key = ("bias_act_dropout", x.device, x.dtype, x2d.shape[0], n, activation, dropout, grad)
+    decision = select(key, lambda: Call("bias_act_dropout", x.device, x.dtype, tuple(x2d.shape), activation, dropout, grad), backend)
+    impl = decision.backend.ops["bias_act_dropout"]
+    if grad:
+        y = _BiasActDropout.apply(x2d, bias, impl, activation, p, rng)
+    else:
+        y = impl.forward(x2d, bias, activation, p, rng)
+    return y.view(x.shape)
+
+
+def fused_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    activation: str = "identity",
+    *,
+    backend: Optional[str] = None,
+) -> Tensor:
+    """Activation(x @ weight.T + bias) with bias and activation in the matmul's epilogue.
+
+    Shapes as ``torch.nn.functional.linear``: x (..., K), weight (N, K), bias (N,) or None; all of one
+    floating dtype and device. Differentiable in every input that requires grad.
+
+    Equivalent PyTorch::
+
+        act(F.linear(x, weight, bias))
+    """
+    x, weight, bias, activation = _fused_linear_args(x, weight, bias, activation)
+    _check_backend(backend)
+    k = x.shape[-1]
+    n = weight.shape[0]
+    x2d = x.reshape(math.prod(x.shape[:-1]), k)  # (M, K)
+    out_shape = (*x.shape[:-1], n)
+    grad = _needs_grad(x, weight, bias)
+    if torch.compiler.is_compiling():
+        from dispatch import library
+
+        return library.fused_linear(x2d, weight, bias, activation, backend or "", grad).view(out_shape)
+    key = ("fused_linear", x.device, x.dtype, x2d.shape[0], n, k, activation, grad)
+    decision = select(key, lambda: Call("fused_linear", x.device, x.dtype, (x2d.shape[0], n, k), activation, False, grad), backend)
+    impl = decision.backend.ops["fused_linear"]
+    if grad:
+        y = _FusedLinear.apply(x2d, weight, bias, impl, activation)
+    else:
+        y = impl.forward(x2d, weight, bias, activation)[0]
+    return y.view(out_shape)
+
+
+def explain(op_name: str, *args: Any, **kwargs: Any) -> Decision:
+    """Which backend ``op_name`` (``"fused_bias_act_dropout"`` or ``"fused_linear"``) would use for
+    these arguments, by which rule, and why each other backend was rejected. Print it to read it."""
+    backend = _check_backend(kwargs.pop("backend", None))
+    if op_name in ("fused_bias_act_dropout", "bias_act_dropout"):
+        call = _bias_act_dropout_call(*args, **kwargs)
+    elif op_name == "fused_linear":
+        call = _fused_linear_call(*args, **kwargs)
+    else:
+        raise ValueError(f"op_name must be 'fused_bias_act_dropout' or 'fused_linear', got {op_name!r}")
+    source = "the backend= argument"
+    if backend is None:
+        backend, source = _requested.get(), "use_backend()"
+    if backend is None:
+        backend, source = os.environ.get(ENV_VAR) or None, ENV_VAR
+    return decide(call, backend, source)
+
+
+def _bias_act_dropout_call(
+    x: Tensor, bias: Optional[Tensor] = None, activation: str = "gelu", p: float = 0.0, training: bool = True, *, generator: Optional[torch.Generator] = None
+) -> Call:
+    x, bias, activation, p, dropout = _bias_act_dropout_args(x, bias, activation, p, training, generator)
+    m = math.prod(x.shape[:-1])
+    return Call("bias_act_dropout", x.device, x.dtype, (m, x.shape[-1]), activation, dropout, _needs_grad(x, bias))
+
+
+def _fused_linear_call(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "identity"
+) -> Call:
+    x, weight, bias, activation = _fused_linear_args(x, weight, bias, activation)
+    m = math.prod(x.shape[:-1])
+    return Call("fused_linear", x.device, x.dtype, (m, weight.shape[0], x.shape[-1]), activation, False, _needs_grad(x, weight, bias))

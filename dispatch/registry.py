@@ -1,0 +1,172 @@
+"""Backends declare what they support; this module keeps them and explains refusals.
+
+A backend is one folder under ``backends/`` whose ``__init__`` builds a :class:`Backend` and calls
+:func:`register`; ``backends/__init__.py`` lists the folders. Each op a backend implements is a module
+(or any object) with the functions of :class:`BiasActDropoutImpl` or :class:`FusedLinearImpl`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Protocol
+
+import torch
+from torch import Tensor
+
+OPS = ("bias_act_dropout", "fused_linear")
+
+
+class BiasActDropoutImpl(Protocol):
+    """x is (M, N) with any strides, bias (N,) or None; rng is ``dispatch.rng``'s [seed, offset] or None
+    (no dropout, p == 0). forward returns a new contiguous (M, N) tensor of x's dtype."""
+
+    def forward(
+        self, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Tensor]
+    ) -> Tensor: ...
+
+    def backward(
+        self,
+        grad_y: Tensor,
+        x: Tensor,
+        bias: Optional[Tensor],
+        activation: str,
+        p: float,
+        rng: Optional[Tensor],
+        need_x: bool,
+        need_bias: bool,
+    ) -> tuple[Optional[Tensor], Optional[Tensor]]: ...
+
+
+class FusedLinearImpl(Protocol):
+    """x is (M, K) with any strides, weight (N, K), bias (N,) or None. forward returns the contiguous
+    (M, N) output and ``saved``: None for identity, else the (M, N) pre-activation x @ W^T + b in x's
+    dtype. backward recomputes the pre-activation when ``saved`` is None and the activation needs it."""
+
+    def forward(
+        self, x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str
+    ) -> tuple[Tensor, Optional[Tensor]]: ...
+
+    def backward(
+        self,
+        grad_y: Tensor,
+        x: Tensor,
+        weight: Tensor,
+        bias: Optional[Tensor],
+        saved: Optional[Tensor],
+        activation: str,
+        needs: tuple[bool, bool, bool],
+    ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the dispatcher knows of one call: the key of its decision."""
+
+    op: str
+    device: torch.device
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # (M, N) for bias_act_dropout, (M, N, K) for fused_linear
+    activation: str
+    dropout: bool  # p > 0 and training
+    training: bool  # autograd will need a backward
+
+    def __str__(self) -> str:
+        dims = "x".join(map(str, self.shape))
+        mode = "training" if self.training else "inference"
+        drop = ", dropout" if self.dropout else ""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.op}({dims}, {dtype}, {self.activation}{drop}, {mode}) on {self.device}"
+
+
+def _always_available() -> Optional[str]:
+    return None
+
+
+def _no_extra_reasons(call: Call, explicit: bool) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What one backend supports. ``unavailable()`` returns why it cannot run here at all (or None);
+    ``extra_reasons(call, explicit)`` adds backend-specific refusals (``explicit`` is False when the
+    dispatcher picks on its own, e.g. Triton's CPU interpreter serves only explicit requests)."""
+
+    name: str
+    ops: Mapping[str, object]
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    activations: frozenset[str]
+    deterministic: bool
+    summary: str
+    min_capability: Optional[tuple[int, int]] = None  # CUDA devices only
+    unavailable: Callable[[], Optional[str]] = _always_available
+    extra_reasons: Callable[[Call, bool], list[str]] = _no_extra_reasons
+    label: Callable[[], str] = field(default=lambda: "")
+
+    def display_name(self) -> str:
+        detail = self.label()
+        return f"{self.name} ({detail})" if detail else self.name
+
+    def not_supported_reasons(self, call: Call, explicit: bool = True) -> list[str]:
+        why = self.unavailable()
+        if why:
+            return [why]
+        reasons = []
+        if call.op not in self.ops:
+            reasons.append(f"{self.name} does not implement {call.op}")
+        if call.device.type not in self.devices:
+            reasons.append(
+                f"{self.name} needs a {' or '.join(sorted(self.devices))} device; x is on {call.device}"
+            )
+        if call.dtype not in self.dtypes:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
+            reasons.append(f"{self.name} supports dtypes {names}; x is {call.dtype}")
+        if call.activation not in self.activations:
+            reasons.append(
+                f"{self.name} supports activations {', '.join(sorted(self.activations))}; "
+                f"got {call.activation!r}"
+            )
+        if self.min_capability and call.device.type == "cuda" and not reasons:
+            cap = torch.cuda.get_device_capability(call.device)
+            if cap < self.min_capability:
+                need = ".".join(map(str, self.min_capability))
+                reasons.append(
+                    f"{self.name} needs compute capability >= {need}; {call.device} has {cap[0]}.{cap[1]}"
+                )
+        if not reasons:
+            reasons.extend(self.extra_reasons(call, explicit))
+        return reasons
+
+    def impl(self, op: str) -> object:
+        return self.ops[op]
+
+
+_BACKENDS: dict[str, Backend] = {}
+_loaded = False
+
+
+def register(backend: Backend) -> Backend:
+    """Adds a backend; names are unique."""
+    if backend.name in _BACKENDS:
+        raise ValueError(f"a backend named {backend.name!r} is already registered")
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def backends() -> dict[str, Backend]:
+    """Every registered backend by name (imports the ``backends`` package on first use)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        importlib.import_module("backends")
+    return _BACKENDS
+
+
+def get(name: object) -> Backend:
+    """The backend called ``name``; a ValueError listing the registered ones otherwise."""
+    found = backends().get(name) if isinstance(name, str) else None
+    if found is None:
+        raise ValueError(f"backend must be one of {', '.join(backends())}; got {name!r}")
+    return found

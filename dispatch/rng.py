@@ -1,0 +1,100 @@
+"""The dropout RNG spec, shared bit for bit by every backend.
+
+Spec (version 1):
+
+* Generator: counter-based Philox4x32 with 7 rounds (Random123 reports 7 rounds passing BigCrush;
+  FlashAttention's Triton dropout uses the same count). Round constants as in Random123 and
+  ``triton.language.random``: multipliers 0xD2511F53 / 0xCD9E8D57, key bumps 0x9E3779B9 / 0xBB67AE85.
+* Key: a 64-bit seed, low word in k0, high word in k1.
+* Per call, one draw from torch's generator for x's device (or ``generator=``) fills a 2-element int64
+  tensor ``rng = [seed, offset]`` on x's device (``torch.randint``: no host-device synchronization, and
+  CUDA-graph safe, since the draw itself is a captured kernel). Both lie in [0, 2**62).
+* Counter: element ``e`` of the logical (M, N) row-major view (``e = row * N + col``, whatever the
+  strides) belongs to group ``g = e // 8``; the group's Philox call uses the 64-bit counter
+  ``c = offset + g``, low word in c0, high word in c1, c2 = c3 = 0. This is exactly
+  ``tl.philox(seed, c_lo, c_hi, 0, 0, n_rounds=7)``, and ``tl.randint4x(seed, c, 7)`` whenever the
+  counter fits in 32 bits. A 64-bit counter never wraps, whatever the size or number of calls.
+* Bits: a call returns four 32-bit words (r0, r1, r2, r3). Element ``j = e % 8`` of the group takes the
+  16-bit value ``u_j = (r[j % 4] >> (16 * (j // 4))) & 0xFFFF``: the low halves of r0..r3 serve
+  elements 0..3, the high halves serve elements 4..7.
+* Decision: with ``T = min(floor(p * 65536 + 0.5), 65535)``, an element is kept iff ``u_j >= T`` and
+  kept values are multiplied by ``65536 / (65536 - T)`` (a float32 constant). The realized drop
+  probability is ``T / 65536``, within 1/131072 of ``p``, and the expectation is preserved exactly.
+* No mask is ever stored: backward regenerates it from ``rng``. ``training=False`` or ``p == 0`` draws
+  nothing and masks nothing.
+
+The implementation below uses plain torch int64 ops (products split in 16-bit halves so that nothing
+overflows), so it runs on any device and inside traced graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+N_ROUNDS = 7
+ROUND_A = 0xD2511F53
+ROUND_B = 0xCD9E8D57
+KEY_A = 0x9E3779B9
+KEY_B = 0xBB67AE85
+GROUP = 8  # elements served by one Philox call
+_U32 = 0xFFFFFFFF
+_U16 = 0xFFFF
+_SEED_RANGE = 2**62
+
+
+def threshold(p: float) -> int:
+    """The 16-bit drop threshold T for probability p: drop iff u < T."""
+    return min(int(p * 65536.0 + 0.5), 65535)
+
+
+def keep_scale(p: float) -> float:
+    """The factor applied to kept elements: 65536 / (65536 - T)."""
+    return 65536.0 / (65536 - threshold(p))
+
+
+def draw(device: torch.device, generator: torch.Generator | None = None) -> Tensor:
+    """One call's ``[seed, offset]`` pair, drawn on ``device`` without a host synchronization."""
+    return torch.randint(
+        0, _SEED_RANGE, (2,), dtype=torch.int64, device=device, generator=generator
+    )
+
+
+def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
+    """(high, low) 32-bit words of a * b for a constant a and b in [0, 2**32), in int64."""
+    p_lo = b * (a & _U16)  # < 2**48
+    p_hi = b * (a >> 16)  # < 2**48
+    hi = (p_hi + (p_lo >> 16)) >> 16
+    lo = (p_lo + ((p_hi & _U16) << 16)) & _U32
+    return hi, lo
+
+
+def philox(seed: Tensor, counter: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox4x32-7 of the 64-bit ``counter`` (int64 tensor) under the 64-bit ``seed`` (0-d int64)."""
+    k0 = seed & _U32
+    k1 = (seed >> 32) & _U32
+    c0 = counter & _U32
+    c1 = (counter >> 32) & _U32
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    for _ in range(N_ROUNDS):
+        hi_b, lo_b = _mulhilo(ROUND_B, c2)
+        hi_a, lo_a = _mulhilo(ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + KEY_A) & _U32
+        k1 = (k1 + KEY_B) & _U32
+    return c0, c1, c2, c3
+
+
+def uniform16(rng: Tensor, numel: int) -> Tensor:
+    """The 16-bit values u_e (int64) for flat indices 0..numel-1 of one call."""
+    groups = -(-numel // GROUP)
+    counter = rng[1] + torch.arange(groups, dtype=torch.int64, device=rng.device)
+    r = philox(rng[0], counter)
+    u = torch.stack([w & _U16 for w in r] + [(w >> 16) & _U16 for w in r], dim=1)  # (groups, 8)
+    return u.reshape(-1)[:numel]
+
+
+def keep_mask(rng: Tensor, m: int, n: int, p: float) -> Tensor:
+    """The (m, n) boolean keep mask of one call with drop probability p."""
+    return (uniform16(rng, m * n) >= threshold(p)).view(m, n)

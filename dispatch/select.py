@@ -1,0 +1,112 @@
+"""Which backend runs a call: the ``backend=`` argument > ``use_backend()`` > ``DISPATCH_BACKEND`` >
+the heuristic table of this GPU > eager as the default while no table exists > the priority list.
+
+Decisions are cached per call signature, so the steady-state cost is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping, Optional
+
+import heuristics
+from dispatch.registry import Backend, Call, backends, get
+
+# Tried in this order when the table's pick (or the default) cannot serve a call: fused kernels
+# first, the reference last.
+PRIORITY = ("triton", "cublaslt", "inductor", "nvfuser", "eager")
+DEFAULT = "eager"
+ENV_VAR = "DISPATCH_BACKEND"
+_CACHE_LIMIT = 4096
+
+_requested: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
+    "dispatch_backend", default=None
+)
+_cache: dict[tuple, "Decision"] = {}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which backend serves ``call``, by which rule, and why the others could not."""
+
+    call: Call
+    backend: Backend
+    rule: str
+    reasons: Mapping[str, list[str]]  # every registered backend -> why it cannot serve ([] if it can)
+
+    def __str__(self) -> str:
+        lines = [f"{self.call}", f"  runs on: {self.backend.display_name()}", f"  because: {self.rule}"]
+        for name, why in self.reasons.items():
+            if name != self.backend.name:
+                lines.append(f"  {name}: {'; '.join(why) if why else 'could run, not chosen'}")
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Within the block, every call goes to backend ``name`` (unless a call passes ``backend=``)."""
+    get(name)
+    token = _requested.set(name)
+    try:
+        yield
+    finally:
+        _requested.reset(token)
+
+
+def select(key: tuple, make_call: Callable[[], Call], backend: Optional[str]) -> Decision:
+    """The hot path: a cached decision for the call signature ``key``."""
+    source = "the backend= argument"
+    if backend is None:
+        backend = _requested.get()
+        source = "use_backend()"
+        if backend is None:
+            backend = os.environ.get(ENV_VAR) or None
+            source = ENV_VAR
+    full = (key, backend, source)
+    found = _cache.get(full)
+    if found is None:
+        if len(_cache) >= _CACHE_LIMIT:
+            _cache.clear()
+        found = _cache[full] = decide(make_call(), backend, source)
+    return found
+
+
+def clear_cache() -> None:
+    _cache.clear()
+
+
+def decide(call: Call, requested: Optional[str], source: str = "") -> Decision:
+    """The uncached decision (``explain`` and cache misses)."""
+    everyone = backends()
+    if requested is not None:
+        get(requested)
+    reasons = {
+        name: b.not_supported_reasons(call, explicit=(name == requested)) for name, b in everyone.items()
+    }
+    if 0 in call.shape:
+        return Decision(call, everyone[DEFAULT], "empty input: the reference returns it", reasons)
+    if requested is not None:
+        if reasons[requested]:
+            raise ValueError(
+                f"backend {requested!r} (from {source}) cannot run {call}: {'; '.join(reasons[requested])}"
+            )
+        return Decision(call, everyone[requested], f"requested by {source}", reasons)
+
+    choice = heuristics.lookup(call)
+    skipped = ""
+    if choice is not None:
+        if choice.backend in everyone and not reasons[choice.backend]:
+            return Decision(call, everyone[choice.backend], choice.description, reasons)
+        skipped = f"table chose {choice.backend}, which cannot serve it; "
+    elif not reasons[DEFAULT]:
+        return Decision(
+            call, everyone[DEFAULT], f"{heuristics.describe(call.device)}: default {DEFAULT}", reasons
+        )
+    for name in PRIORITY:
+        if name in everyone and not reasons[name]:
+            return Decision(call, everyone[name], f"{skipped}first able backend in the priority list", reasons)
+    listing = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in reasons.items())
+    raise ValueError(f"no backend can run {call}:\n{listing}")
