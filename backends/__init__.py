@@ -3,7 +3,7 @@
 
 import importlib
 
-NAMES = ("eager",)
+NAMES = ("eager", "triton", "nvfuser", "inductor", "cublaslt")
 
 for _name in NAMES:
     importlib.import_module(f"backends.{_name}")

@@ -1,0 +1,1 @@
+"""Placeholder: the inductor backend lands here (registers nothing yet)."""

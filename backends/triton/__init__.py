@@ -1,0 +1,69 @@
+"""triton: our hand-written Triton kernels.
+
+Supports: bias_act_dropout and fused_linear, forward and backward; CUDA devices of compute
+capability >= 8.0 (bf16); float16, bfloat16, float32; every activation; deterministic (no float
+atomics: reductions finish in a fixed order). On CPU it runs only through Triton's interpreter
+(``TRITON_INTERPRET=1``), for tests, and only when asked for by name: the dispatcher never picks the
+interpreter on its own.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from dispatch.activations import ACTIVATION_NAMES
+from dispatch.registry import Backend, Call, register
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # pragma: no cover - platforms without a triton wheel
+    triton = None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _unavailable() -> Optional[str]:
+    if triton is None:
+        return "triton is not installed"
+    if not torch.cuda.is_available() and not _interpreting():
+        return "triton needs a CUDA device, or TRITON_INTERPRET=1 for its CPU interpreter"
+    return None
+
+
+def _extra_reasons(call: Call, explicit: bool) -> list[str]:
+    if call.device.type == "cpu":
+        if not _interpreting():
+            return [f"triton runs on cpu only through its interpreter (TRITON_INTERPRET=1); x is on {call.device}"]
+        if not explicit:
+            return ["triton's CPU interpreter is for tests: it serves only calls that ask for triton by name"]
+    return []
+
+
+def _register() -> Backend:
+    ops: dict[str, object] = {}
+    if triton is not None:
+        from backends.triton import bias_act_dropout, fused_linear
+
+        ops = {"bias_act_dropout": bias_act_dropout, "fused_linear": fused_linear}
+    return register(
+        Backend(
+            name="triton",
+            ops=ops,
+            devices=frozenset({"cuda", "cpu"}),
+            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+            activations=frozenset(ACTIVATION_NAMES),
+            deterministic=True,
+            summary="hand-written Triton kernels",
+            min_capability=(8, 0),
+            unavailable=_unavailable,
+            extra_reasons=_extra_reasons,
+        )
+    )
+
+
+BACKEND = _register()

@@ -1,0 +1,34 @@
+"""Shared test setup: Triton's interpreter on machines without a GPU, a seed per test, the gpu marker."""
+
+import os
+
+import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton kernels
+
+DEVICE = "cuda" if HAS_GPU else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device with -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def seed(request):
+    """A fresh, reported seed per test: fresh random data, reproducible from the test id."""
+    value = abs(hash(request.node.nodeid)) % (2**31)
+    torch.manual_seed(value)
+    return value
+
+
+@pytest.fixture
+def device():
+    return DEVICE
