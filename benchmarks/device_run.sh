@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One device call = several stages, each with its own time limit and log; results come back as one
+# tarball in $OUT. Usage (on the device): bash benchmarks/device_run.sh STAGE[:SECONDS] ...
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+R="$OUT/results"
+mkdir -p "$R"
+summary=()
+
+stage() {  # stage NAME SECONDS CMD...
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@" >"$R/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name rc=$rc $((SECONDS - start))s")
+  tail -n "${TAILN:-12}" "$R/$name.log"
+}
+
+for arg in "$@"; do
+  name=${arg%%:*}
+  limit=${arg#*:}
+  [ "$limit" = "$arg" ] && limit=300
+  case $name in
+    env) stage env "$limit" bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m dispatch.info' ;;
+    gputests) stage gputests "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 tests ;;
+    cputests) stage cputests "$limit" python3 -m pytest -q -p no:cacheprovider -x tests ;;
+    bench_bad) stage bench_bad "$limit" python3 benchmarks/bench_bias_act_dropout.py --out "$R" ;;
+    bench_bad_quick) stage bench_bad_quick "$limit" python3 benchmarks/bench_bias_act_dropout.py --quick --out "$R" ;;
+    bench_linear) stage bench_linear "$limit" python3 benchmarks/bench_fused_linear.py --out "$R" ;;
+    bench_linear_quick) stage bench_linear_quick "$limit" python3 benchmarks/bench_fused_linear.py --quick --out "$R" ;;
+    bench_overhead) stage bench_overhead "$limit" python3 benchmarks/bench_dispatch_overhead.py --out "$R" ;;
+    bench_e2e) stage bench_e2e "$limit" python3 benchmarks/bench_e2e.py --out "$R" ;;
+    bench_e2e_quick) stage bench_e2e_quick "$limit" python3 benchmarks/bench_e2e.py --quick --out "$R" ;;
+    parity) stage parity "$limit" python3 -m dispatch.parity --quick ;;
+    calibrate) stage calibrate "$limit" python3 -m dispatch.calibrate --budget $((limit - 30)) --out "$R/nvidia-h200.json" ;;
+    calibrate_quick) stage calibrate_quick "$limit" python3 -m dispatch.calibrate --quick --out "$R/nvidia-h200.json" ;;
+    table) stage table "$limit" python3 -m dispatch.table --gpu "$R/nvidia-h200.json" ;;
+    *) echo "unknown stage $name" ;;
+  esac
+done
+tar czf "$OUT/results.tgz" -C "$R" . && rm -rf "$R"
+printf '%s\n' "${summary[@]}"
