@@ -98,6 +98,8 @@ def _fused_linear_op(
     shape = (x.shape[0], weight.shape[0], x.shape[1])
     impl = _impl("fused_linear", x, shape, activation, False, training, backend)
     y, saved = impl.forward(x, weight, bias, activation)
+    if saved is None and activation != "identity":  # cublaslt recomputes it in backward; the fake promises (M, N)
+        saved = torch.nn.functional.linear(x, weight, bias)
     return y, _empty_if_none(saved, x)
 
 

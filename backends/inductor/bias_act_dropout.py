@@ -1,0 +1,40 @@
+"""bias_act_dropout through inductor: the eager forward and the eager backward, each compiled as one
+graph with the token dimension dynamic.
+
+Forward and backward are separate compiled functions with nothing saved between them: the backward
+graph regenerates the dropout mask from ``rng`` with the same int64 ops as the forward graph
+(``dispatch.rng``; there is no random op for inductor to replace with its own), so both give eager's
+mask bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor
+
+from backends.eager import bias_act_dropout as eager
+from backends.inductor.compiler import run
+
+
+def forward(
+    x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Tensor]
+) -> Tensor:
+    return run(eager.forward, (x, bias, activation, p, rng), rows=(0,))
+
+
+def backward(
+    grad_y: Tensor,
+    x: Tensor,
+    bias: Optional[Tensor],
+    activation: str,
+    p: float,
+    rng: Optional[Tensor],
+    need_x: bool,
+    need_bias: bool,
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    need_bias = need_bias and bias is not None
+    if not (need_x or need_bias):
+        return None, None
+    args = (grad_y, x, bias, activation, p, rng, need_x, need_bias)
+    return run(eager.backward, args, rows=(0, 1))

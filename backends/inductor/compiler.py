@@ -1,0 +1,106 @@
+"""torch.compile (inductor) of the eager functions: one graph per kind of call, dynamic in the token
+dimension.
+
+A kind of call is everything dynamo specializes on apart from the token count M: the function, the
+activation, p, which inputs are None, which gradients, the feature sizes, dtypes, devices and strides.
+Its first call compiles with dim 0 of x (and grad_y, the saved pre-activation) marked dynamic, so any
+later M >= 2 runs the same graph; M = 1 is its own kind, since dynamo specializes sizes 0 and 1.
+
+Recompile limits for these functions only: dynamo counts graphs per code object against
+``recompile_limit`` (8), so each kind compiles its own copy of the eager function (same code, new code
+object) and holds one graph, whatever mix of activations and dtypes a model uses; no global setting
+changes. The first call of a kind also runs with ``suppress_errors=False`` and
+``fail_on_recompile_limit_hit=True``, so a failed compile raises instead of quietly running eager code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import warnings
+from collections import OrderedDict
+from typing import Any, Callable, Iterator, NamedTuple
+
+import torch
+from torch import Tensor
+
+CACHE_LIMIT = 256  # kinds of call kept compiled
+_FIRST_CALL_SETTINGS = {"suppress_errors": False, "fail_on_recompile_limit_hit": True}
+
+_compiled: OrderedDict[tuple, Callable[..., Any]] = OrderedDict()
+_compiles = 0
+
+
+class CacheInfo(NamedTuple):
+    size: int
+    limit: int
+    compiles: int
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``fn`` with its own code object, hence its own dynamo cache and recompile count."""
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+
+
+@contextlib.contextmanager
+def _first_call() -> Iterator[None]:
+    settings = {k: v for k, v in _FIRST_CALL_SETTINGS.items() if hasattr(torch._dynamo.config, k)}
+    # Compiling imports TorchScript-era modules that warn of their deprecation (torch.utils.mkldnn
+    # and others): warnings about torch's insides, not about the user's code.
+    with torch._dynamo.config.patch(**settings), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _kind(arg: Any, rows: bool) -> Any:
+    """What one argument contributes to the kind of call."""
+    if not isinstance(arg, Tensor):
+        return arg  # activation, p, need_x, ...: each value is its own graph
+    shape = tuple(arg.shape)
+    if rows and shape[0] >= 2:
+        shape = ("M",) + shape[1:]
+    layout = "contiguous" if arg.is_contiguous() else tuple(arg.stride())
+    big = arg.numel() >= 2**31  # inductor indexes in int32 below
+    return (shape, layout, arg.dtype, arg.device, arg.requires_grad, big)
+
+
+def _marked(t: Tensor) -> Tensor:
+    """An alias of ``t`` with dim 0 marked dynamic (the caller's tensor stays unmarked)."""
+    alias = t.detach().requires_grad_(t.requires_grad)  # dynamo guards on requires_grad
+    torch._dynamo.mark_dynamic(alias, 0)
+    return alias
+
+
+def run(fn: Callable[..., Any], args: tuple, rows: tuple[int, ...]) -> Any:
+    """``fn(*args)`` compiled by inductor, with dim 0 of ``args[i]`` dynamic for each i in ``rows``.
+
+    Runs without autograd: forward and backward are compiled as separate functions.
+    """
+    global _compiles
+    kind = (fn, *(_kind(a, i in rows) for i, a in enumerate(args)))
+    compiled = _compiled.get(kind)
+    if compiled is not None:
+        _compiled.move_to_end(kind)
+        with torch.no_grad():
+            return compiled(*args)
+    args = tuple(  # mark_dynamic costs ~14 us: only when compiling
+        _marked(a) if i in rows and a is not None and a.shape[0] >= 2 else a for i, a in enumerate(args)
+    )
+    compiled = torch.compile(_own_code(fn), fullgraph=True, dynamic=None)
+    with torch.no_grad(), _first_call():
+        out = compiled(*args)
+    _compiles += 1
+    _compiled[kind] = compiled
+    if len(_compiled) > CACHE_LIMIT:
+        _compiled.popitem(last=False)
+    return out
+
+
+def cache_info() -> CacheInfo:
+    return CacheInfo(len(_compiled), CACHE_LIMIT, _compiles)
+
+
+def clear_cache() -> None:
+    _compiled.clear()
