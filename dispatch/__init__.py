@@ -6,5 +6,7 @@
 from dispatch.activations import ACTIVATION_NAMES
 from dispatch.api import explain, fused_bias_act_dropout, fused_linear
 from dispatch.select import use_backend
+from dispatch import nn  # FusedLinear, FusedBiasActDropout
+from dispatch.patch import patch
 
-__all__ = ["ACTIVATION_NAMES", "explain", "fused_bias_act_dropout", "fused_linear", "use_backend"]
+__all__ = ["ACTIVATION_NAMES", "explain", "fused_bias_act_dropout", "fused_linear", "nn", "patch", "use_backend"]

@@ -1,0 +1,338 @@
+"""End to end: does dispatch.patch make GPT-2 train faster, with the same loss and less memory?
+
+A GPT-2-small-sized model (12 layers, 768 wide, 12 heads, vocab 50257, context 1024) from a
+transformers GPT2Config, random init, bf16 autocast, fused AdamW, dropout 0.1 everywhere (embeddings,
+attention, residuals; the MLP's dropout then runs through our kernels once patched). Four configs train
+from the same initial weights on the same batches: eager, patched, torch.compile(model),
+torch.compile(patched). Each reports tokens/s (median step time after warm-up, CUDA events), peak
+memory (torch.cuda.max_memory_allocated, reset between configs) and its loss curve; a config that
+fails is recorded and the others still run.
+
+Data: a fixed Markov chain (1024 tokens, each with 8 successors drawn once, Zipf(1) probabilities over
+them, seeded here), so the loss has a known floor, the chain's entropy. Parity: mean loss of the last 20
+steps, patched vs eager, within 1% (masks differ between the two runs, so the curves agree in law, not
+bit for bit).
+
+    python3 benchmarks/bench_e2e.py --out DIR [--steps 300] [--quick] [--tiny] [--backend NAME]
+
+Targets (H200): patched >= 1.1x eager tokens/s with lower peak memory; compile(patched) >= compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common
+
+CONFIGS = ("eager", "patched", "compile", "compile+patched")
+CHAIN_VOCAB, CHAIN_FANOUT, SEED = 1024, 8, 20261130
+PARITY_TAIL, PARITY_TOL, SPEEDUP_TARGET = 20, 0.01, 1.1
+
+
+def arguments():
+    p = common.parser(__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, help="training steps per config (default 300; 40 with --quick)")
+    p.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (compile: the 1st)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=None, help="transformer layers (default 12; 4 with --quick)")
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)}")
+    p.add_argument("--backend", help="one dispatch backend for all fused ops (default: the dispatcher picks)")
+    p.add_argument("--tiny", action="store_true", help="2 layers, 64 wide, seq 64, batch 4: a CPU smoke run")
+    args = p.parse_args()
+    if args.tiny:
+        args.layers, args.seq, args.batch, args.vocab = args.layers or 2, 64, 4, 1024
+    args.steps = args.steps or (40 if args.quick else 300)
+    args.layers = args.layers or (4 if args.quick else 12)
+    args.configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in args.configs if c not in CONFIGS]
+    if bad:
+        p.error(f"--configs: unknown {bad}; choose from {', '.join(CONFIGS)}")
+    args.warmup = min(args.warmup, args.steps // 2)
+    return args
+
+
+def gpt2_config(args):
+    from transformers import GPT2Config
+
+    width, heads = (64, 4) if args.tiny else (768, 12)
+    drop = args.dropout
+    return GPT2Config(
+        n_layer=args.layers, n_embd=width, n_head=heads, vocab_size=args.vocab,
+        n_positions=max(1024, args.seq), resid_pdrop=drop, embd_pdrop=drop, attn_pdrop=drop,
+        activation_function="gelu_new", use_cache=False, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+
+
+def markov_corpus(n_seq: int, length: int) -> tuple[torch.Tensor, float]:
+    """(n_seq, length) token ids from the fixed chain, and the chain's entropy in nats per token."""
+    g = torch.Generator().manual_seed(SEED)
+    successors = torch.randint(0, CHAIN_VOCAB, (CHAIN_VOCAB, CHAIN_FANOUT), generator=g)
+    probs = 1.0 / torch.arange(1, CHAIN_FANOUT + 1, dtype=torch.float64)
+    probs /= probs.sum()
+    choice = torch.multinomial(probs, n_seq * length, replacement=True, generator=g).view(n_seq, length)
+    tokens = torch.empty(n_seq, length, dtype=torch.int64)
+    tokens[:, 0] = torch.randint(0, CHAIN_VOCAB, (n_seq,), generator=g)
+    for t in range(1, length):
+        tokens[:, t] = successors[tokens[:, t - 1], choice[:, t]]
+    return tokens, float(-(probs * probs.log()).sum())
+
+
+def build(config, state, device, patched: bool):
+    from transformers import GPT2LMHeadModel
+
+    import dispatch
+
+    model = GPT2LMHeadModel(config)
+    model.load_state_dict(state)
+    model.to(device).train()
+    report = dispatch.patch(model) if patched else None
+    return model, report
+
+
+def _stamp(cuda: bool):
+    """A point in time: a recorded CUDA event (no host sync), or the wall clock on CPU."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def train(model, batches, args, device) -> tuple[list[float], list[float]]:
+    """Trains ``args.steps`` steps; returns per-step losses and per-step milliseconds."""
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+    warm = max(1, args.steps // 15)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    torch.manual_seed(SEED)  # the same dropout stream start for every config
+    losses, marks = [], []
+    for x, y in batches[: args.steps]:
+        marks.append(_stamp(cuda))
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(input_ids=x).logits  # (B, T, vocab)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    marks.append(_stamp(cuda))
+    if cuda:
+        torch.cuda.synchronize()
+        ms = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
+    else:
+        ms = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
+    return torch.stack(losses).float().tolist(), ms
+
+
+def run_config(name, config, state, batches, args, device) -> dict:
+    row = {"config": name}
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    model = compiled = None
+    try:
+        model, report = build(config, state, device, patched="patched" in name)
+        if report is not None:
+            row["patch"] = str(report)
+            row["replaced"] = len(report)
+        compiled = torch.compile(model) if name.startswith("compile") else model
+        backend = dispatch_backend(args.backend)
+        start = time.perf_counter()
+        with backend:
+            losses, ms = train(compiled, batches, args, device)
+        timed = sorted(ms[args.warmup :])
+        median = timed[len(timed) // 2]
+        row.update(
+            status="ok",
+            step_ms=median,
+            tokens_per_s=args.batch * args.seq / (median / 1e3),
+            first_step_s=ms[0] / 1e3,
+            wall_s=time.perf_counter() - start,
+            peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            final_loss=sum(losses[-PARITY_TAIL:]) / len(losses[-PARITY_TAIL:]),
+            losses=losses,
+        )
+    except Exception as e:  # noqa: BLE001  (one config failing must not hide the others)
+        traceback.print_exc()
+        row.update(status="failed", error=f"{type(e).__name__}: {e}"[:600])
+    finally:
+        del model, compiled
+        if name.startswith("compile"):
+            torch._dynamo.reset()
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return row
+
+
+def dispatch_backend(name):
+    if name is None:
+        return contextlib.nullcontext()
+    from dispatch import use_backend
+
+    return use_backend(name)
+
+
+def decisions(config, args, device) -> dict:
+    """What the dispatcher picks for the patched MLP's three calls at this size (bf16, training)."""
+    from dispatch import explain
+
+    m, d, h = args.batch * args.seq, config.n_embd, 4 * config.n_embd
+    kw = {"device": device, "dtype": torch.bfloat16, "requires_grad": True}
+    x, w1, b1 = torch.randn(m, d, **kw), torch.randn(h, d, **kw), torch.randn(h, **kw)
+    w2, b2, y = torch.randn(d, h, **kw), torch.randn(d, **kw), torch.randn(m, d, **kw)
+    with dispatch_backend(args.backend):
+        calls = {
+            "c_fc": explain("fused_linear", x, w1, b1, "gelu_tanh"),
+            "c_proj": explain("fused_linear", torch.randn(m, h, **kw), w2, None, "identity"),
+            "dropout": explain("fused_bias_act_dropout", y, b2, "identity", args.dropout, True),
+        }
+    return {k: str(v) for k, v in calls.items()}
+
+
+def _moving_mean(values: list[float], k: int) -> list[float]:
+    return [sum(values[i - k : i]) / k for i in range(k, len(values) + 1)]
+
+
+def plot(rows, entropy, path) -> bool:
+    """Left: the loss curves overlaid. Right: each config's moving mean relative to eager's, in %."""
+    if not common.have_matplotlib():
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    eager = next((r for r in ok if r["config"] == "eager"), None)
+    fig, (curves, rel) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in ok:
+        curves.plot(r["losses"], label=r["config"], lw=1)
+        if eager is not None and r is not eager:
+            k = min(PARITY_TAIL, len(r["losses"]))
+            mine, base = _moving_mean(r["losses"], k), _moving_mean(eager["losses"], k)
+            diff = [100 * (a / b - 1) for a, b in zip(mine, base)]
+            rel.plot(range(k - 1, len(r["losses"])), diff, label=r["config"], lw=1)
+    curves.axhline(entropy, color="gray", ls=":", lw=1, label="chain entropy (the floor)")
+    curves.set(yscale="log", xlabel="step", ylabel="training loss", title="loss, same weights and batches")
+    for bound in (-100 * PARITY_TOL, 100 * PARITY_TOL):
+        rel.axhline(bound, color="gray", ls=":", lw=1)
+    rel.set(xlabel="step", ylabel="% vs eager", title=f"{PARITY_TAIL}-step moving mean relative to eager")
+    for ax in (curves, rel):
+        ax.legend()
+    fig.suptitle("GPT-2 training, bf16 autocast, dropout 0.1: eager vs dispatch.patch vs torch.compile")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def targets(rows) -> list[list[str]]:
+    """[target, measured, PASS/MISS] for each target the rows can answer."""
+    by = {r["config"]: r for r in rows if r["status"] == "ok"}
+    out = []
+
+    def add(target: str, measured: str, ok: bool) -> None:
+        out.append([target, measured, "PASS" if ok else "MISS"])
+
+    if "eager" in by and "patched" in by:
+        e, p = by["eager"], by["patched"]
+        speedup = p["tokens_per_s"] / e["tokens_per_s"]
+        add(f"patched >= {SPEEDUP_TARGET}x eager tokens/s", f"{speedup:.3f}x", speedup >= SPEEDUP_TARGET)
+        if e["peak_gib"] is not None:
+            peaks = f"{p['peak_gib']:.2f} vs {e['peak_gib']:.2f} GiB"
+            add("patched peak memory < eager", peaks, p["peak_gib"] < e["peak_gib"])
+        rel = abs(p["final_loss"] - e["final_loss"]) / e["final_loss"]
+        add(f"loss parity, mean of last {PARITY_TAIL} steps, <= 1%", f"{100 * rel:.2f}%", rel <= PARITY_TOL)
+    if "compile" in by and "compile+patched" in by:
+        ratio = by["compile+patched"]["tokens_per_s"] / by["compile"]["tokens_per_s"]
+        add("compile+patched >= compile tokens/s", f"{ratio:.3f}x", ratio >= 1.0)
+    return out
+
+
+def summary(rows, config, args, entropy) -> None:
+    """The table and the targets, printed last."""
+    cols = ["config", "status", "tokens_per_s", "speedup", "step_ms", "peak_gib", "first_step_s"]
+    cols.append("final_loss")
+    print(
+        f"\nGPT-2 {config.n_layer}x{config.n_embd}, batch {args.batch} x seq {args.seq}, {args.steps} steps, "
+        f"bf16 autocast, dropout {args.dropout}; chain entropy {entropy:.3f} nats"
+    )
+    table = [[r.get(c, "") if r["status"] == "ok" or c in cols[:2] else "" for c in cols] for r in rows]
+    print(tabulate(table, headers=cols, floatfmt=".4g"))
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['config']} failed: {r['error'].splitlines()[0]}")
+    print(tabulate(targets(rows), headers=["target", "measured", ""]))
+
+
+def main() -> None:
+    args = arguments()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    import transformers
+    from transformers import GPT2LMHeadModel
+
+    config = gpt2_config(args)
+    torch.manual_seed(SEED)
+    state = GPT2LMHeadModel(config).state_dict()  # kept on CPU, out of the memory peaks
+    corpus, entropy = markov_corpus(args.steps * args.batch, args.seq + 1)
+    corpus = corpus.to(device).view(args.steps, args.batch, args.seq + 1)
+    batches = [(c[:, :-1], c[:, 1:]) for c in corpus]
+
+    rows = []
+    for name in args.configs:
+        print(f"--- {name}", flush=True)
+        rows.append(run_config(name, config, state, batches, args, device))
+    eager = next((r for r in rows if r["config"] == "eager" and r["status"] == "ok"), None)
+    for r in rows:
+        if r["status"] == "ok" and eager:
+            r["speedup"] = r["tokens_per_s"] / eager["tokens_per_s"]
+
+    env = {**common.environment(), "transformers": transformers.__version__}
+    os.makedirs(args.out, exist_ok=True)
+    png = os.path.join(args.out, f"bench_e2e_loss-{env['date']}.png")
+    drawn = plot(rows, entropy, png)
+    model = {
+        "layers": config.n_layer, "width": config.n_embd, "heads": config.n_head, "vocab": config.vocab_size,
+        "attn_implementation": getattr(config, "_attn_implementation", None),
+    }  # fmt: skip
+    result = {
+        "environment": env,
+        "args": vars(args),
+        "model": model,
+        "chain_entropy_nats": entropy,
+        "decisions": decisions(config, args, device),
+        "targets": targets(rows),
+        "rows": rows,
+        "plot": png if drawn else None,
+    }
+    path = os.path.join(args.out, f"bench_e2e-{env['date']}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}" + (f" and {png}" if drawn else " (no matplotlib: no plot)"))
+    report = next((r["patch"] for r in rows if r.get("patch")), None)
+    if report:
+        print(report.splitlines()[0])
+    summary(rows, config, args, entropy)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Drop-in modules over the two fused ops: ``FusedLinear`` and ``FusedBiasActDropout``.
+
+``FusedLinear`` is ``nn.Linear`` followed by an activation: same parameters (``weight`` (out, in),
+``bias`` (out,)), same initialization, so an ``nn.Linear`` state_dict loads unchanged.
+``FusedBiasActDropout`` owns a bias and computes Dropout(Activation(x + bias)) in one pass.
+
+Autocast: under ``torch.autocast`` for x's device type with a half dtype (float16, bfloat16), x,
+weight and bias are cast to that dtype first, as ``nn.Linear`` does (float64 tensors are left alone,
+as autocast leaves them); the output has that dtype. ``FusedBiasActDropout`` casts its bias to x's
+dtype, whatever x is: the fused op needs one dtype, and x carries the precision the model chose.
+
+torch.compile: both modules compile with ``fullgraph=True``; each op is one custom-op node
+(``dispatch/library.py``).
+
+CUDA graphs: dropout draws its ``[seed, offset]`` pair with ``torch.randint`` on x's device from the
+device's default generator (``dispatch/rng.py``). Under ``torch.cuda.graph`` capture torch registers
+that generator with the graph and advances it on every replay, so each replay draws a new pair and
+gets a new mask; a backward captured in the same graph regenerates its forward's mask from the same
+pair (``tests/test_nn.py::test_cuda_graph_replays_draw_new_masks``). Nothing is read back to the
+host, so capture never synchronizes. ``model.eval()`` (or p = 0) draws nothing and drops nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from dispatch.activations import get_activation
+from dispatch.api import fused_bias_act_dropout, fused_linear
+
+_AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
+_CASTABLE = (torch.float16, torch.bfloat16, torch.float32)  # autocast never casts float64
+
+
+def _autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast would give a linear layer on x's device, or None outside autocast."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return dtype if dtype in _AUTOCAST_DTYPES else None
+
+
+def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    if t is None or t.dtype == dtype or t.dtype not in _CASTABLE:
+        return t
+    return t.to(dtype)
+
+
+class FusedLinear(nn.Module):
+    """Activation(x @ weight.T + bias): ``nn.Linear`` plus an activation, fused in the matmul epilogue.
+
+    Equivalent PyTorch::
+
+        act(nn.Linear(in_features, out_features, bias)(x))
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        activation: str = "identity",
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        get_activation(activation)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.activation = activation
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialization: weight U(-1/sqrt(in), 1/sqrt(in)) via kaiming_uniform(a=sqrt(5)),
+        bias U(-1/sqrt(in), 1/sqrt(in))."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight, bias = self.weight, self.bias
+        dtype = _autocast_dtype(x)
+        if dtype is not None:
+            x, weight, bias = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
+        return fused_linear(x, weight, bias, self.activation)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, activation={self.activation!r}"
+        )
+
+
+class FusedBiasActDropout(nn.Module):
+    """Dropout(Activation(x + bias)) in one pass; the module owns the bias (N,), initialized to zero.
+
+    Dropout runs in training mode only (``module.training``) and follows ``dispatch.rng``'s spec: the
+    mask is regenerated in backward, never stored.
+
+    Equivalent PyTorch::
+
+        nn.Dropout(p)(act(x + bias))   # up to the choice of random bits
+    """
+
+    def __init__(
+        self,
+        features: int,
+        activation: str = "gelu",
+        p: float = 0.0,
+        bias: bool = True,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        get_activation(activation)
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
+            raise ValueError(f"p must be a number in [0, 1), got {p!r}")
+        self.features = features
+        self.activation = activation
+        self.p = float(p)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return fused_bias_act_dropout(x, bias, self.activation, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"features={self.features}, activation={self.activation!r}, p={self.p}, bias={bias}"

@@ -1,0 +1,235 @@
+"""``dispatch.patch(model)``: swap Linear -> activation (-> dropout) runs in MLP blocks for fused modules.
+
+Two rewrites, both exactly the original function (dropout masks aside):
+
+* Linear + activation, no dropout (or p = 0): one ``FusedLinear(activation=...)``, bias and
+  activation in the matmul's epilogue; the activation (and a p = 0 dropout) become ``nn.Identity``.
+* Linear (+ activation) + Dropout(p > 0): ``FusedLinear(bias=False)`` for the product, then one
+  ``FusedBiasActDropout(activation, p)`` that takes over the Linear's bias: bias, activation and
+  dropout in one pass. Backward regenerates the mask instead of keeping nn.Dropout's (one byte per
+  element) but keeps the op's input: after an activation that input stands in for the pre-activation
+  autograd keeps anyway (a byte per element saved); after a bare Linear (GPT-2's c_proj, BERT's output)
+  it costs one byte per element more than the mask in bf16.
+
+Where it looks: Hugging Face blocks by class (``_HF_BLOCKS``: GPT-2's MLP, BERT's intermediate and output
+blocks), and every ``nn.Sequential`` (Linear, then a known activation and/or ``nn.Dropout``). Hugging
+Face is never imported: blocks are recognized by class name and module. The modules keep their
+attribute names, so the blocks' own ``forward`` runs unchanged. Parameters are reused, not copied
+(an optimizer built before patching still holds them), except GPT-2's ``Conv1D`` weights, stored
+(in, out), which become new (out, in) parameters: patch before building the optimizer, and note that
+the patched state_dict differs (a ``Conv1D`` weight transposed; a bias that moved to ``<dropout>.bias``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+from torch import nn
+
+from dispatch.activations import LEAKY_RELU_SLOPE
+from dispatch.nn import FusedBiasActDropout, FusedLinear
+
+# Hugging Face activation classes (transformers.activations) -> our activation names.
+_HF_ACTIVATIONS = {
+    "GELUActivation": "gelu",
+    "NewGELUActivation": "gelu_tanh",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "FastGELUActivation": "gelu_tanh",  # the same tanh formula, factored differently
+    "ReLUSquaredActivation": "squared_relu",
+    "SiLUActivation": "silu",
+    "LinearActivation": "identity",
+}
+
+# Hugging Face block class -> the (linear, activation, dropout) attribute runs its forward calls in order.
+_HF_BLOCKS: dict[str, tuple[tuple[str, Optional[str], Optional[str]], ...]] = {
+    "GPT2MLP": (("c_fc", "act", None), ("c_proj", None, "dropout")),
+    "BertIntermediate": (("dense", "intermediate_act_fn", None),),
+    "BertOutput": (("dense", None, "dropout"),),  # then LayerNorm(h + residual), left alone
+}
+
+
+@dataclass(frozen=True)
+class Replacement:
+    path: str  # the block's qualified name in the model
+    block: str  # its class
+    before: str
+    after: str
+
+    def __str__(self) -> str:
+        return f"{self.path or '<model>'} ({self.block}): {self.before}  ->  {self.after}"
+
+
+@dataclass
+class PatchReport:
+    """What ``patch`` replaced and where, and what it saw but left alone (with the reason)."""
+
+    replaced: list[Replacement] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+
+    def __len__(self) -> int:
+        return len(self.replaced)
+
+    def __str__(self) -> str:
+        lines = [f"dispatch.patch: {len(self.replaced)} replaced, {len(self.skipped)} left alone"]
+        lines += [f"  {r}" for r in self.replaced]
+        lines += [f"  left alone {path or '<model>'}: {why}" for path, why in self.skipped]
+        return "\n".join(lines)
+
+
+def activation_name(module: nn.Module) -> Optional[str]:
+    """Our name for an activation module (torch or Hugging Face), or None when we have no equivalent."""
+    kind = type(module)
+    if kind is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
+    if kind is nn.LeakyReLU:
+        return "leaky_relu" if module.negative_slope == LEAKY_RELU_SLOPE else None
+    simple = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Identity: "identity"}.get(kind)
+    if simple is not None:
+        return simple
+    if kind.__module__.startswith("transformers."):
+        return _HF_ACTIVATIONS.get(kind.__name__)
+    return None
+
+
+def _is_activation_module(module: nn.Module) -> bool:
+    mod = type(module).__module__
+    return mod == "torch.nn.modules.activation" or mod.startswith("transformers.activations")
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's Conv1D: a linear layer whose weight is stored (in, out)."""
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
+
+
+def _linear_parts(module: nn.Module) -> tuple[nn.Parameter, Optional[nn.Parameter]]:
+    """(weight (out, in), bias) of an nn.Linear (same parameters) or a Conv1D (weight transposed)."""
+    if _is_conv1d(module):
+        w = module.weight
+        return nn.Parameter(w.detach().t().contiguous(), requires_grad=w.requires_grad), module.bias
+    return module.weight, module.bias
+
+
+def _describe_linear(module: nn.Module) -> str:
+    w = module.weight
+    n_in, n_out = (w.shape[0], w.shape[1]) if _is_conv1d(module) else (w.shape[1], w.shape[0])
+    return f"{type(module).__name__}({n_in}->{n_out})"
+
+
+class _Run(NamedTuple):
+    """Child names of one run: a linear layer, then an optional activation, then an optional dropout."""
+
+    linear: str
+    act: Optional[str]
+    drop: Optional[str]
+
+
+def _why_not(parent: nn.Module, run: _Run) -> Optional[str]:
+    """Why ``run`` cannot (or need not) be fused, or None when it can."""
+    linear = getattr(parent, run.linear, None)
+    if isinstance(linear, FusedLinear):
+        return "already patched"
+    if type(linear) is not nn.Linear and not _is_conv1d(linear):
+        return f"expected an nn.Linear or Conv1D, found {type(linear).__name__}"
+    activation = "identity"
+    if run.act is not None:
+        activation = activation_name(getattr(parent, run.act))
+        if activation is None:
+            return f"activation {type(getattr(parent, run.act)).__name__} has no fused equivalent"
+    p = 0.0
+    if run.drop is not None:
+        drop = getattr(parent, run.drop)
+        if type(drop) is not nn.Dropout:
+            return f"expected nn.Dropout after it, found {type(drop).__name__}"
+        p = drop.p
+    if activation == "identity" and p == 0.0:
+        return "nothing to fuse: no activation and no dropout"
+    return None
+
+
+def _rewrite(parent: nn.Module, path: str, run: _Run) -> Replacement:
+    """Swaps the run's children for fused modules (a run ``_why_not`` accepted)."""
+    linear = getattr(parent, run.linear)
+    activation = "identity" if run.act is None else activation_name(getattr(parent, run.act))
+    drop = None if run.drop is None else getattr(parent, run.drop)
+    p = 0.0 if drop is None else float(drop.p)
+    before = [f"{run.linear}={_describe_linear(linear)}"]
+    if run.act is not None:
+        before.append(f"{run.act}={type(getattr(parent, run.act)).__name__}")
+    if drop is not None:
+        before.append(f"{run.drop}=Dropout(p={p})")
+
+    weight, bias = _linear_parts(linear)
+    n_out, n_in = weight.shape
+    meta = {"device": "meta", "dtype": weight.dtype}  # skips initialization: the parameters are set below
+    if p > 0.0:
+        fused = FusedLinear(n_in, n_out, bias=False, **meta)
+        tail = FusedBiasActDropout(n_out, activation, p, bias=bias is not None, **meta).train(drop.training)
+        if bias is not None:
+            tail.bias = bias
+        after = f"{run.linear}=FusedLinear(bias=False) + {run.drop}=FusedBiasActDropout({activation}, p={p})"
+    else:
+        fused = FusedLinear(n_in, n_out, bias=bias is not None, activation=activation, **meta)
+        if bias is not None:
+            fused.bias = bias
+        tail = nn.Identity()
+        after = f"{run.linear}=FusedLinear({activation})"
+    fused.weight = weight
+    setattr(parent, run.linear, fused.train(linear.training))
+    if run.act is not None:
+        setattr(parent, run.act, nn.Identity())
+    if run.drop is not None:
+        setattr(parent, run.drop, tail)
+    return Replacement(path, type(parent).__name__, " + ".join(before), after)
+
+
+def _fuse(parent: nn.Module, path: str, run: _Run, report: PatchReport) -> None:
+    why = _why_not(parent, run)
+    if why is None:
+        report.replaced.append(_rewrite(parent, path, run))
+    else:
+        report.skipped.append((f"{path}.{run.linear}" if path else run.linear, why))
+
+
+def _sequential_runs(seq: nn.Sequential) -> list[_Run]:
+    """A run for each Linear followed by an activation and/or a Dropout, in child order."""
+    children = list(seq._modules.items())  # not named_children(): it drops repeated instances
+    runs = []
+    for i, (name, child) in enumerate(children):
+        if type(child) is not nn.Linear and not _is_conv1d(child):
+            continue
+        rest = children[i + 1 : i + 3]
+        act = rest[0][0] if rest and _is_activation_module(rest[0][1]) else None
+        rest = rest[1:] if act is not None else rest[:1]
+        drop = rest[0][0] if rest and type(rest[0][1]) is nn.Dropout else None
+        if act is not None or drop is not None:
+            runs.append(_Run(name, act, drop))
+    return runs
+
+
+def patch(model: nn.Module) -> PatchReport:
+    """Replaces, in place, the Linear -> activation (-> dropout) runs of ``model``'s MLP blocks with
+    ``FusedLinear`` / ``FusedBiasActDropout`` and returns a report (print it) of what changed where.
+
+    Recognized: Hugging Face ``GPT2MLP``, ``BertIntermediate``, ``BertOutput``, and any ``nn.Sequential``
+    holding Linear, then a known activation and/or ``nn.Dropout``. Activations: nn.ReLU, nn.GELU (both
+    approximations), nn.SiLU, nn.LeakyReLU(0.01), and Hugging Face's gelu, gelu_new, gelu_pytorch_tanh,
+    gelu_fast, relu2 (squared_relu), silu. With dropout off (``model.eval()`` or p = 0) the patched model
+    computes the same function as before, up to rounding in the model's dtype.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    report = PatchReport()
+    for path, module in list(model.named_modules()):
+        kind = type(module)
+        if kind.__name__ in _HF_BLOCKS and kind.__module__.startswith("transformers."):
+            for run in _HF_BLOCKS[kind.__name__]:
+                _fuse(module, path, _Run(*run), report)
+        elif isinstance(module, nn.Sequential):
+            for run in _sequential_runs(module):
+                _fuse(module, path, run, report)
+    return report
+
+
+__all__ = ["PatchReport", "Replacement", "activation_name", "patch"]

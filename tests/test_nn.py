@@ -1,0 +1,287 @@
+"""dispatch.nn modules: against the float64 reference and against nn.Linear / nn.Dropout; state_dict,
+initialization, training mode, autocast, torch.compile, CUDA graph capture."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dispatch.rng as dropout_rng
+from backends.eager import bias_act_dropout as bad_ref
+from backends.eager import fused_linear as linear_ref
+from dispatch import ACTIVATION_NAMES
+from dispatch.activations import ACTIVATIONS
+from dispatch.nn import FusedBiasActDropout, FusedLinear
+from dispatch.tolerances import check
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(True)
+
+
+def _grads(y: torch.Tensor, inputs, grad_y: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(y, inputs, grad_y))
+
+
+# ----------------------------------------------------------------------------- FusedLinear
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("activation", ACTIVATION_NAMES)
+def test_fused_linear_matches_reference(activation, dtype):
+    module = FusedLinear(13, 11, activation=activation, dtype=dtype)
+    x = _leaf(torch.randn(2, 5, 13, dtype=dtype))
+    grad_y = torch.randn(2, 5, 11, dtype=dtype)
+    params = [x, module.weight, module.bias]
+    y = module(x)
+    got = [y, *_grads(y, params, grad_y)]
+
+    ref_in = [_leaf(t) for t in params]
+    ref_y = linear_ref.reference(*ref_in, activation, upcast=True)
+    ref = [ref_y, *_grads(ref_y, ref_in, grad_y.double())]
+    same_in = [_leaf(t) for t in params]
+    eager_y = linear_ref.reference(*same_in, activation)
+    eager = [eager_y, *_grads(eager_y, same_in, grad_y)]
+    for name, out, r, e in zip(("y", "grad_x", "grad_weight", "grad_bias"), got, ref, eager):
+        assert out.dtype == dtype
+        check(name, out.detach(), r.detach(), e.detach())
+
+
+def test_fused_linear_without_bias_equals_linear_then_activation():
+    module = FusedLinear(9, 4, bias=False, activation="silu")
+    assert module.bias is None
+    x = torch.randn(6, 9)
+    torch.testing.assert_close(module(x), F.silu(F.linear(x, module.weight)))
+
+
+@pytest.mark.parametrize("bias", (True, False))
+def test_fused_linear_loads_linear_state_dict_unchanged(bias):
+    linear = nn.Linear(7, 5, bias=bias)
+    module = FusedLinear(7, 5, bias=bias, activation="relu")
+    module.load_state_dict(linear.state_dict(), strict=True)
+    assert list(module.state_dict()) == list(linear.state_dict())
+    x = torch.randn(3, 7)
+    torch.testing.assert_close(module(x), torch.relu(linear(x)))
+    back = nn.Linear(7, 5, bias=bias)
+    back.load_state_dict(module.state_dict(), strict=True)  # and the other way round
+    torch.testing.assert_close(back.weight, linear.weight, rtol=0, atol=0)
+
+
+def test_fused_linear_initializes_like_linear():
+    torch.manual_seed(3)
+    linear = nn.Linear(256, 512)
+    torch.manual_seed(3)
+    module = FusedLinear(256, 512, activation="gelu")
+    torch.testing.assert_close(module.weight, linear.weight, rtol=0, atol=0)
+    torch.testing.assert_close(module.bias, linear.bias, rtol=0, atol=0)
+    # kaiming_uniform(a=sqrt(5)) and the bias rule both give U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    bound = 1.0 / math.sqrt(256)
+    for p in (module.weight, module.bias):
+        assert p.abs().max() <= bound
+        std = bound / math.sqrt(3.0)
+        assert abs(float(p.std()) - std) < 5 * std / math.sqrt(2 * p.numel()) + 1e-3 * std
+        assert abs(float(p.mean())) < 5 * std / math.sqrt(p.numel())
+    module.reset_parameters()
+    assert not torch.equal(module.weight, linear.weight)
+
+
+def test_extra_repr_and_bad_arguments():
+    assert "in_features=3, out_features=4, bias=True, activation='gelu_tanh'" in repr(
+        FusedLinear(3, 4, activation="gelu_tanh")
+    )
+    assert "activation='relu', p=0.25" in repr(FusedBiasActDropout(4, "relu", 0.25))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        FusedLinear(3, 4, activation="tanh")
+    with pytest.raises(ValueError, match="p must be a number in"):
+        FusedBiasActDropout(4, p=1.0)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        FusedLinear(3, 4)(torch.randn(2, 5))
+
+
+# ----------------------------------------------------------------------------- FusedBiasActDropout
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("activation", ("gelu", "gelu_tanh", "squared_relu"))
+def test_bias_act_dropout_module_matches_reference(activation, dtype):
+    """Training mode with p > 0: the module's output and gradients equal the reference run with the
+    very rng the op drew (re-seeding the global generator replays the draw)."""
+    module = FusedBiasActDropout(24, activation, p=0.3, dtype=dtype)
+    with torch.no_grad():
+        module.bias.normal_()
+    x = _leaf(torch.randn(3, 5, 24, dtype=dtype))
+    grad_y = torch.randn(3, 5, 24, dtype=dtype)
+    torch.manual_seed(11)
+    y = module(x)
+    got = [y, *_grads(y, [x, module.bias], grad_y)]
+    torch.manual_seed(11)
+    rng = dropout_rng.draw(x.device)
+
+    ref_in = [_leaf(x), _leaf(module.bias)]
+    ref_y = bad_ref.reference(*ref_in, activation, 0.3, rng, upcast=True)
+    ref = [ref_y, *_grads(ref_y, ref_in, grad_y.double())]
+    same_in = [_leaf(x), _leaf(module.bias)]
+    eager_y = bad_ref.reference(*same_in, activation, 0.3, rng)
+    eager = [eager_y, *_grads(eager_y, same_in, grad_y)]
+    for name, out, r, e in zip(("y", "grad_x", "grad_bias"), got, ref, eager):
+        check(name, out.detach(), r.detach(), e.detach())
+
+
+def test_dropout_follows_module_training():
+    module = FusedBiasActDropout(64, "identity", p=0.5)
+    x = torch.randn(32, 64) + 3.0  # nonzero everywhere, so zeros in y are exactly the dropped elements
+    y1, y2 = module(x), module(x)
+    dropped = (y1 == 0).float().mean()
+    assert 0.4 < dropped < 0.6
+    assert not torch.equal(y1 == 0, y2 == 0), "two training calls reused one mask"
+    kept = y1 != 0
+    torch.testing.assert_close(y1[kept], (x * dropout_rng.keep_scale(0.5))[kept])
+    module.eval()
+    torch.testing.assert_close(module(x), x, rtol=0, atol=0)
+    state = torch.random.get_rng_state()
+    module(x)
+    assert torch.equal(torch.random.get_rng_state(), state), "eval mode drew random numbers"
+
+
+def test_bias_follows_x_dtype():
+    module = FusedBiasActDropout(8, "relu")  # float32 bias
+    with torch.no_grad():
+        module.bias.uniform_(-1, 1)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = module(x)
+    assert y.dtype == torch.bfloat16
+    bias = module.bias.detach().to(torch.bfloat16)
+    check("y", y, bad_ref.reference(x, bias, "relu", upcast=True), bad_ref.reference(x, bias, "relu"))
+
+
+# ----------------------------------------------------------------------------- autocast, compile
+
+
+def _autocast_case(device: str, activation: str) -> None:
+    """Under autocast, FusedLinear casts like nn.Linear: bf16 output, float32 parameter gradients, and
+    results as close to the float64 truth (of the bf16-rounded operands) as nn.Linear's."""
+    linear = nn.Linear(40, 24, device=device)
+    module = FusedLinear(40, 24, activation=activation, device=device)
+    module.load_state_dict(linear.state_dict())
+    x = torch.randn(6, 40, device=device)
+    grad_y = torch.randn(6, 24, device=device, dtype=torch.bfloat16)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y = module(x)
+        y_nn = ACTIVATIONS[activation].forward(linear(x))
+    assert y.dtype == y_nn.dtype == torch.bfloat16
+    y.backward(grad_y)
+    y_nn.backward(grad_y)
+    assert module.weight.grad.dtype == torch.float32
+    operands = (x.bfloat16(), linear.weight.detach().bfloat16(), linear.bias.detach().bfloat16())
+    ref = linear_ref.reference(*operands, activation, upcast=True)
+    check("y", y.detach(), ref, y_nn.detach())
+    for name in ("weight", "bias"):
+        got, want = getattr(module, name).grad, getattr(linear, name).grad
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    with torch.autocast(device, dtype=torch.bfloat16):
+        z = FusedBiasActDropout(24, "gelu", device=device)(y)
+    assert z.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("activation", ("identity", "gelu"))
+def test_autocast_cpu_bf16_like_linear(activation):
+    _autocast_case("cpu", activation)
+
+
+def test_compile_fullgraph_training_with_autocast():
+    """One compile: a model of both modules in training mode (dropout on) under bf16 autocast, forward
+    and backward, no graph break; with inductor's RNG falling back to torch's, the compiled model
+    draws the same rng as eager mode and so matches it exactly."""
+    import torch._inductor.config as inductor_config
+
+    model = nn.Sequential(
+        FusedLinear(16, 32, activation="gelu"),
+        FusedLinear(32, 16, bias=False),
+        FusedBiasActDropout(16, "identity", p=0.2),
+    )
+    x = torch.randn(4, 5, 16)
+    with inductor_config.patch(fallback_random=True):
+        compiled = torch.compile(model, fullgraph=True)
+        runs = []
+        for fn in (compiled, model):
+            torch.manual_seed(5)
+            xi = _leaf(x)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = fn(xi)
+            y.float().square().sum().backward()
+            runs.append((y, xi.grad, model[0].weight.grad.clone()))
+            model.zero_grad()
+    (y_c, gx_c, gw_c), (y_e, gx_e, gw_e) = runs
+    assert y_c.dtype == torch.bfloat16
+    assert (y_e == 0).any(), "dropout did not run"
+    torch.testing.assert_close(y_c, y_e)
+    torch.testing.assert_close(gx_c, gx_e)
+    torch.testing.assert_close(gw_c, gw_e)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ("identity", "gelu_tanh"))
+def test_autocast_cuda_bf16_like_linear(activation):
+    _autocast_case("cuda", activation)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_draw_new_masks(monkeypatch):
+    """Capture forward and backward of FusedBiasActDropout in one CUDA graph; every replay must use a new
+    mask, equal to the reference for the rng that replay drew, and its backward the same mask."""
+    drawn = []
+    draw = dropout_rng.draw
+
+    def recording_draw(device, generator=None):
+        rng = draw(device, generator)
+        drawn.append(rng)  # a buffer of the graph's pool: each replay rewrites it in place
+        return rng
+
+    monkeypatch.setattr(dropout_rng, "draw", recording_draw)
+    module = FusedBiasActDropout(512, "gelu", p=0.25, device="cuda")
+    with torch.no_grad():
+        module.bias.uniform_(2.0, 3.0)  # gelu(x + b) > 0 here, so zeros in y are the dropped elements
+    x = torch.rand(256, 512, device="cuda", requires_grad=True)
+    grad_y = torch.randn(256, 512, device="cuda")
+
+    def step():
+        y = module(x)
+        (gx,) = torch.autograd.grad(y, x, grad_y)
+        return y, gx
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: kernels compiled, decisions cached, before capture
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    drawn.clear()
+    with torch.cuda.graph(graph):
+        y, gx = step()
+    assert len(drawn) == 1
+    rng = drawn[0]
+
+    masks, rngs = [], []
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        rngs.append(rng.clone())
+        mask = y != 0
+        masks.append(mask)
+        operands = (x.detach(), module.bias.detach(), "gelu", 0.25, rngs[-1])
+        check("replay y", y.detach(), bad_ref.reference(*operands, upcast=True), bad_ref.reference(*operands))
+        assert torch.equal(gx != 0, mask), "backward used another mask than its forward"
+        assert 0.2 < 1.0 - mask.float().mean() < 0.3
+    assert not torch.equal(rngs[0], rngs[1]) and not torch.equal(rngs[1], rngs[2])
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
