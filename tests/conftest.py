@@ -1,6 +1,7 @@
 """Shared test setup: Triton's interpreter on machines without a GPU, a seed per test, the gpu marker."""
 
 import os
+import tempfile
 import zlib
 
 import pytest
@@ -11,6 +12,10 @@ if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton kernels
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
+
+# Tables the user calibrated (~/.cache/fusedispatch/heuristics) must not change what tests see; the
+# shipped heuristics/tables/ still apply.
+os.environ["DISPATCH_HEURISTICS_DIR"] = tempfile.mkdtemp(prefix="fusedispatch-heuristics-")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,219 @@
+"""Measuring one call on one backend: inputs, the parity check against the float64 reference, timing.
+
+Shared by ``python -m dispatch.calibrate`` and ``python -m dispatch.parity``. Every run goes through the
+public ops with ``backend=name``, so what is checked and timed is what a user's call runs (validation,
+the cached decision and the autograd glue cost the same ~us for every backend).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from backends.eager import bias_act_dropout as ref_bad
+from backends.eager import fused_linear as ref_fl
+from dispatch import rng as dropout_rng
+from dispatch import tolerances
+from dispatch.api import fused_bias_act_dropout, fused_linear
+from dispatch.registry import Call
+
+P_DROPOUT = 0.1  # the p of every dropout measurement: cost does not depend on p
+WARM_CALLS = 1  # a call before the checked one: JIT backends compile/profile on their first call
+
+
+@dataclass(frozen=True)
+class Case:
+    """One shape of one op: (M, N) for bias_act_dropout, (M, N, K) for fused_linear."""
+
+    op: str
+    dtype: torch.dtype
+    activation: str
+    training: bool  # forward + backward; inference is the forward under no_grad
+    dropout: bool
+    m: int
+    features: tuple[int, ...]
+    device: torch.device
+
+    def call(self) -> Call:
+        return Call(
+            self.op,
+            self.device,
+            self.dtype,
+            (self.m, *self.features),
+            self.activation,
+            self.dropout,
+            self.training,
+        )
+
+    @property
+    def p(self) -> float:
+        return P_DROPOUT if self.dropout else 0.0
+
+
+@dataclass
+class Inputs:
+    x: Tensor  # (M, N) or (M, K)
+    bias: Tensor  # (N,)
+    weight: Optional[Tensor]  # (N, K) for fused_linear
+    grad_y: Tensor  # (M, N)
+    seed: int  # of the dropout generator
+
+
+def make_inputs(case: Case, seed: int) -> Inputs:
+    """Fresh random inputs on the device (pre-activations ~ N(0, 1), so every activation branch is hit)."""
+    g = torch.Generator(device=case.device).manual_seed(seed)
+    dev, dt, n = case.device, case.dtype, case.features[0]
+
+    def randn(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(*shape, device=dev, generator=g) * scale).to(dt)
+
+    if case.op == "bias_act_dropout":
+        return Inputs(randn(case.m, n), randn(n, scale=0.5), None, randn(case.m, n), seed)
+    k = case.features[1]
+    weight = randn(n, k, scale=1.0 / math.sqrt(k))
+    return Inputs(randn(case.m, k), randn(n, scale=0.5), weight, randn(case.m, n), seed)
+
+
+def _generator(case: Case, seed: int) -> Optional[torch.Generator]:
+    return torch.Generator(device=case.device).manual_seed(seed + 1) if case.dropout else None
+
+
+def _leaves(case: Case, inp: Inputs, dtype: Optional[torch.dtype] = None) -> list[Tensor]:
+    ts = [inp.x, inp.weight, inp.bias] if case.op == "fused_linear" else [inp.x, inp.bias]
+    return [t.detach().to(dtype or t.dtype).requires_grad_(case.training) for t in ts]
+
+
+def run_once(name: str, case: Case, inp: Inputs) -> list[Tensor]:
+    """[y] in inference, [y, grad_x, (grad_w,) grad_bias] in training; the same dropout mask every time."""
+    leaves = _leaves(case, inp)
+    with torch.set_grad_enabled(case.training):
+        if case.op == "bias_act_dropout":
+            x, b = leaves
+            gen = _generator(case, inp.seed)
+            y = fused_bias_act_dropout(x, b, case.activation, case.p, True, generator=gen, backend=name)
+        else:
+            x, w, b = leaves
+            y = fused_linear(x, w, b, case.activation, backend=name)
+    if not case.training:
+        return [y]
+    y.backward(inp.grad_y)
+    return [y.detach(), *(t.grad for t in leaves)]
+
+
+def reference(case: Case, inp: Inputs) -> list[Tensor]:
+    """The float64 reference of run_once's outputs (the eager backend's definitions, autograd grads)."""
+    leaves = _leaves(case, inp, torch.float64)
+    with torch.set_grad_enabled(case.training):
+        if case.op == "bias_act_dropout":
+            x, b = leaves
+            gen = _generator(case, inp.seed)
+            rng = dropout_rng.draw(case.device, gen) if gen is not None else None
+            y = ref_bad.reference(x, b, case.activation, case.p, rng, upcast=True)
+        else:
+            x, w, b = leaves
+            y = ref_fl.reference(x, w, b, case.activation, upcast=True)
+    if not case.training:
+        return [y]
+    y.backward(inp.grad_y.double())
+    return [y.detach(), *(t.grad for t in leaves)]
+
+
+@dataclass(frozen=True)
+class Check:
+    errors: tuple[float, ...]  # max|out - ref| / max|ref| per output (y first, then the gradients)
+    ratios: tuple[float, ...]  # max|out - ref| / allowed per output; <= 1 passes
+    failure: str = ""  # an exception, if the backend raised
+
+    @property
+    def ok(self) -> bool:
+        return not self.failure and all(r <= 1.0 for r in self.ratios)
+
+    @property
+    def error(self) -> float:
+        return max(self.errors, default=math.inf)
+
+
+def failure(exc: BaseException) -> str:
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+def check(name: str, case: Case, inp: Inputs, refs: list[Tensor], eager: list[Tensor]) -> Check:
+    """Runs ``name`` (after warm-up calls) and compares every output with the reference, using
+    dispatch.tolerances' rule: err <= 2 * err(eager in this dtype) + atol + rtol * max|ref|."""
+    try:
+        for _ in range(WARM_CALLS if name != "eager" else 0):
+            run_once(name, case, inp)
+        outs = run_once(name, case, inp)
+    except Exception as exc:  # a broken backend is reported, never fatal
+        return Check((), (), failure(exc))
+    return compare(outs, refs, eager)
+
+
+def compare(outs: list[Tensor], refs: list[Tensor], eager: list[Tensor]) -> Check:
+    errors, ratios = [], []
+    for out, ref, eag in zip(outs, refs, eager):
+        if out is None or out.shape != ref.shape:
+            return Check(
+                (), (), f"output shape {None if out is None else tuple(out.shape)} != {tuple(ref.shape)}"
+            )
+        err = tolerances.max_error(out, ref)
+        scale = float(ref.abs().max()) if ref.numel() else 0.0
+        errors.append(err / scale if scale else err)
+        ratios.append(err / tolerances.allowed_error(ref, out.dtype, eag))
+    return Check(tuple(errors), tuple(ratios))
+
+
+def timer(name: str, case: Case, inp: Inputs) -> tuple[Callable[[], object], list[Tensor]]:
+    """A closure running one call (forward, or forward + backward) and the tensors whose grads reset."""
+    leaves = _leaves(case, inp)
+    p, act, grad_y = case.p, case.activation, inp.grad_y
+    if case.op == "bias_act_dropout":
+        x, b = leaves
+
+        def forward() -> Tensor:
+            return fused_bias_act_dropout(x, b, act, p, True, backend=name)
+    else:
+        x, w, b = leaves
+
+        def forward() -> Tensor:
+            return fused_linear(x, w, b, act, backend=name)
+
+    if not case.training:
+        return forward, []
+
+    def step() -> None:
+        forward().backward(grad_y)
+
+    return step, leaves
+
+
+def time_ms(
+    fn: Callable[[], object], grad_to_none: list[Tensor], device: torch.device, quick: bool, training: bool
+) -> float:
+    """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on CUDA (it flushes the L2 between
+    runs, so small shapes are not flattered by the cache), a perf_counter median on CPU."""
+    with torch.set_grad_enabled(training):
+        if device.type == "cuda":
+            import triton.testing
+
+            warmup, rep = (3, 10) if quick else (5, 15)
+            return float(
+                triton.testing.do_bench(
+                    fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"
+                )
+            )
+        times: list[float] = []  # no warm-up call: check() has just run this backend at this shape
+        budget = 0.1 if quick else 0.3
+        while len(times) < 3 or (len(times) < 50 and sum(times) < budget * 1e3):
+            for t in grad_to_none:
+                t.grad = None
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[len(times) // 2]

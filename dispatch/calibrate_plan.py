@@ -1,0 +1,211 @@
+"""What ``python -m dispatch.calibrate`` measures (grids, activation classes) and how a series of
+measured points becomes crossover segments (the winner rule with its noise tie-break)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from dispatch import shapes
+
+# Preference order, simpler first, breaks ties inside measurement noise so tables are stable from run
+# to run: eager is the reference (nothing compiled); cuBLASLt is a vendor library call (no JIT); triton
+# is our own JIT kernels (one compile per config, cached on disk); inductor adds torch.compile guards
+# and recompiles; nvfuser stacks TorchScript profiling runs on functorch, the most moving parts.
+PREFERENCE = ("eager", "cublaslt", "triton", "inductor", "nvfuser")
+NOISE = 0.03  # relative timing differences below this are ties (do_bench medians repeat within ~1-2%)
+MODES = ("inference", "training")
+
+# Activations assumed to cost the same, measured once as the first name of each class: in a pointwise
+# pass the cheap branches (max, scale, square) all hide under the memory traffic, and erf/tanh/exp
+# variants cost alike; in fused_linear only identity differs (no pre-activation saved for backward).
+# --probe checks this: every activation is timed at one shape and a member whose times differ from
+# its representative's by more than 2 * NOISE (or with another winner) is measured on its own. Full
+# runs parity-check every member at every measured point after all representatives are measured.
+CLASSES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "bias_act_dropout": (("relu", "identity", "leaky_relu", "squared_relu"), ("gelu", "gelu_tanh", "silu")),
+    "fused_linear": (("identity",), ("gelu", "relu", "leaky_relu", "squared_relu", "gelu_tanh", "silu")),
+}
+
+
+@dataclass
+class Plan:
+    device: torch.device
+    quick: bool
+    dtypes: tuple[torch.dtype, ...]
+    features: dict[str, list[tuple[int, ...]]]  # op -> feature sizes, in measuring order
+    tokens: tuple[int, ...]  # the coarse grid of M; bisection adds points between
+    ratio: float  # bisect while neighbouring points with different winners are further apart than this
+    max_elements: int  # M * N cap for bias_act_dropout points
+    max_macs: int  # M * N * K cap for fused_linear points
+    held_out: int  # points per series measured for the self-check only
+    probe: bool  # check the activation classes by timing every activation once (--probe)
+    budget_s: float
+
+    def m_cap(self, op: str, features: tuple[int, ...]) -> int:
+        cap = self.max_elements if op == "bias_act_dropout" else self.max_macs
+        m = 2 ** max(0, math.floor(math.log2(max(cap // math.prod(features), 1))))
+        return min(m, max(self.tokens))
+
+    def grid(self, op: str, features: tuple[int, ...]) -> list[int]:
+        cap = self.m_cap(op, features)
+        return sorted({t for t in self.tokens if t < cap} | {cap})
+
+
+def default_plan(device: torch.device, quick: bool, budget: Optional[float]) -> Plan:
+    """The grids. Caps bound a point's cost: on GPU 2**28 elements (a 0.5 GiB bf16 tensor, ~0.3 ms per
+    pass at H200 bandwidth) and 2**38 multiply-adds (~1 ms in bf16); on CPU far less (eager dropout
+    training took 3.6 s at 1024x3072 on 2 busy cores). Beyond its cap an entry's last segment holds."""
+    gpu = device.type == "cuda"
+    if quick:
+        return Plan(
+            device=device,
+            quick=True,
+            dtypes=(torch.bfloat16,) if gpu else (torch.float32,),
+            features={
+                "bias_act_dropout": [(4096,), (1024,), (14336,)] if gpu else [(3072,), (768,)],
+                "fused_linear": [(11008, 4096), (3072, 768), (4096, 14336)]
+                if gpu
+                else [(3072, 768), (768, 3072)],
+            },
+            tokens=(1, 64, 4096, 65536) if gpu else (1, 16, 256),
+            ratio=4.0,
+            max_elements=2**28 if gpu else 2**18,
+            max_macs=2**38 if gpu else 2**28,
+            held_out=1,
+            probe=False,
+            budget_s=budget if budget is not None else 90.0,
+        )
+    return Plan(
+        device=device,
+        quick=False,
+        dtypes=(torch.bfloat16, torch.float16, torch.float32) if gpu else (torch.float32, torch.bfloat16),
+        features={
+            "bias_act_dropout": spread([(n,) for n in shapes.feature_sizes()]),
+            "fused_linear": spread(shapes.linear_shapes()),
+        },
+        tokens=(1, 16, 256, 4096, 65536) if gpu else (1, 16, 256, 4096),
+        ratio=1.5,
+        max_elements=2**28 if gpu else 2**24,
+        max_macs=2**38 if gpu else 2**32,
+        held_out=1,
+        probe=False,
+        budget_s=budget if budget is not None else 540.0,
+    )
+
+
+def spread(items: list) -> list:
+    """``items`` reordered so every prefix covers the range evenly (middle, ends, then the largest gaps):
+    a run stopped by its budget still has sizes across the whole range, and lookup uses the nearest."""
+    n = len(items)
+    if n <= 2:
+        return list(items)
+    chosen = [n // 2]
+    while len(chosen) < n:
+        chosen.append(
+            max((i for i in range(n) if i not in chosen), key=lambda i: (min(abs(i - c) for c in chosen), -i))
+        )
+    return [items[i] for i in chosen]
+
+
+def classes(op: str, activations: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The static classes of ``op`` restricted to ``activations``; the first name is measured."""
+    out = []
+    for cls in CLASSES[op]:
+        kept = tuple(a for a in cls if a in activations)
+        if kept:
+            out.append(kept)
+    listed = {a for cls in CLASSES[op] for a in cls}
+    out.extend((a,) for a in activations if a not in listed)
+    return out
+
+
+@dataclass
+class Series:
+    """One measured activation (``rep``) of one key family and the activations sharing its timings."""
+
+    op: str
+    dtype: torch.dtype
+    mode: str
+    dropout: bool
+    rep: str
+    members: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        shared = f"+{len(self.members)}" if self.members else ""
+        drop = " dropout" if self.dropout else ""
+        return f"{self.op} {str(self.dtype)[6:]} {self.rep}{shared} {self.mode}{drop}"
+
+
+# ----------------------------------------------------------------------------- points -> segments
+
+
+def rank(ms: dict[str, float]) -> list[str]:
+    """Backends best first: among those within NOISE of the fastest the preferred one wins, the rest
+    follow by time."""
+    best = min(ms.values())
+    pref = {b: (PREFERENCE.index(b) if b in PREFERENCE else len(PREFERENCE), b) for b in ms}
+    winner = min((b for b in ms if ms[b] <= best * (1 + NOISE)), key=pref.__getitem__)
+    return [winner] + sorted((b for b in ms if b != winner), key=lambda b: (ms[b], pref[b]))
+
+
+def to_bisect(points: dict[int, dict], ratio: float) -> list[int]:
+    """New M between neighbouring measured points whose winners differ and that are still far apart."""
+    ms = sorted(m for m, p in points.items() if p["ms"])
+    new = []
+    for a, b in itertools.pairwise(ms):
+        if rank(points[a]["ms"])[0] != rank(points[b]["ms"])[0] and b / a > ratio and b - a > 1:
+            new.append(min(max(round(math.sqrt(a * b)), a + 1), b - 1))
+    return new
+
+
+def fit(points: list[dict]) -> list[dict]:
+    """Segments along M from measured points: a new segment where the winner changes, starting at the
+    geometric middle of the two points that bracket the crossover."""
+    segments: list[dict] = []
+    prev = 0
+    for pt in sorted(points, key=lambda p: p["m"]):
+        ms = pt["ms"]
+        if not ms:
+            continue
+        order = rank(ms)
+        winner, runner = order[0], (order[1] if len(order) > 1 else None)
+        margin = round(ms[runner] / ms[winner] - 1, 4) if runner else None
+        speedup = round(ms["eager"] / ms[winner], 4) if "eager" in ms else None
+        errors = {b: e for b, e in pt.get("err", {}).items() if b in ms}
+        if segments and segments[-1]["backend"] == winner:
+            seg = segments[-1]
+            if margin is not None and (seg["margin"] is None or margin < seg["margin"]):
+                seg["margin"], seg["runner_up"] = margin, runner
+            if speedup is not None and (seg["speedup"] is None or speedup < seg["speedup"]):
+                seg["speedup"] = speedup
+            for b, e in errors.items():
+                seg["errors"][b] = max(e, seg["errors"].get(b, 0.0))
+        else:
+            m_from = 1 if not segments else max(prev + 1, math.ceil(math.sqrt(prev * pt["m"])))
+            segments.append(
+                {
+                    "m_from": m_from,
+                    "backend": winner,
+                    "runner_up": runner,
+                    "margin": margin,
+                    "speedup": speedup,
+                    "errors": dict(errors),
+                }
+            )
+        prev = pt["m"]
+    return segments
+
+
+def held_out_ms(measured: list[int], cap: int, count: int, key: str) -> list[int]:
+    """Token counts for the self-check: real-model token counts and midpoints not measured for the fit."""
+    mids = {round(math.sqrt(a * b)) for a, b in itertools.pairwise(measured)}
+    pool = sorted((set(shapes.TOKENS) | mids) - set(measured))
+    pool = [m for m in pool if 1 <= m <= cap]
+    return sorted(random.Random(key).sample(pool, min(count, len(pool))))

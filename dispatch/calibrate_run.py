@@ -1,0 +1,203 @@
+"""The measuring loop of ``python -m dispatch.calibrate``: one Run holds the plan, the clock, the
+progress bar and the table entries, and measures series (one representative activation of one key
+family at one feature size) point by point: parity gate first, then timing."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from dispatch import calibrate_bench as bench
+from dispatch.calibrate_plan import NOISE, Plan, Series, classes, fit, held_out_ms, rank, to_bisect
+from dispatch.registry import backends
+
+
+def _key(e: dict) -> tuple:
+    return (e["op"], e["dtype"], e["activation"], e["mode"], e["dropout"], tuple(e["features"]))
+
+
+class Run:
+    """One calibration: the plan, the clock, the progress bar, and the entries measured so far."""
+
+    def __init__(
+        self, plan: Plan, only: Optional[set[str]], bar: tqdm, previous: Optional[dict] = None
+    ) -> None:
+        self.plan, self.only, self.bar = plan, only, bar
+        self.start = time.monotonic()
+        self.stopped = False
+        self.entries: dict[tuple, dict] = {_key(e): e for e in (previous or {}).get("entries", [])}
+        self.used: set[str] = set((previous or {}).get("backends", {}))
+
+    def over(self) -> bool:
+        if time.monotonic() - self.start > self.plan.budget_s:
+            self.stopped = True
+        return self.stopped
+
+    def case(self, s: Series, activation: str, m: int, features: tuple[int, ...]) -> bench.Case:
+        return bench.Case(
+            s.op, s.dtype, activation, s.mode == "training", s.dropout, m, features, self.plan.device
+        )
+
+    def names(self, case: bench.Case) -> list[str]:
+        """eager first, then every backend that would serve this call on its own (never an interpreter)."""
+        call = case.call()
+        ok = [n for n, b in backends().items() if not b.not_supported_reasons(call, explicit=False)]
+        return sorted(
+            (n for n in ok if self.only is None or n in self.only or n == "eager"), key=lambda n: n != "eager"
+        )
+
+    def _gate(
+        self, name: str, case: bench.Case, inp: bench.Inputs, refs: list, eager: list, point: dict
+    ) -> bool:
+        c = (
+            bench.compare(eager, refs, eager)
+            if name == "eager"
+            else bench.check(name, case, inp, refs, eager)
+        )
+        if c.ok:
+            point["err"][name] = float(f"{c.error:.3g}")
+        else:
+            point["rejected"][name] = c.failure or f"max error {max(c.ratios):.2f}x the tolerance"
+        return c.ok
+
+    def measure(self, case: bench.Case, names: Sequence[str]) -> dict:
+        """Parity-check each backend at this shape, then time those that passed."""
+        mode = "training" if case.training else "inference"
+        dims = "x".join(map(str, (case.m, *case.features)))
+        drop = " dropout" if case.dropout else ""
+        self.bar.set_description_str(
+            f"{case.op} {str(case.dtype)[6:]} {case.activation} {mode}{drop} {dims}", False
+        )
+        point: dict = {"m": case.m, "ms": {}, "err": {}, "rejected": {}}
+        try:
+            inp = bench.make_inputs(case, zlib.crc32(repr(case).encode()))
+            refs = bench.reference(case, inp)
+            eager = bench.run_once("eager", case, inp)
+            passed = [n for n in names if self._gate(n, case, inp, refs, eager, point)]
+            del refs, eager
+            for name in passed:
+                self.bar.set_postfix_str(name, refresh=True)
+                fn, leaves = bench.timer(name, case, inp)
+                try:
+                    point["ms"][name] = float(
+                        f"{bench.time_ms(fn, leaves, case.device, self.plan.quick, case.training):.5g}"
+                    )
+                except Exception as exc:
+                    point["rejected"][name] = bench.failure(exc)
+        except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+            point["skipped"] = bench.failure(exc)
+        self.used.update(point["ms"])
+        if case.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return point
+
+    def check_member(self, case: bench.Case, rep_point: dict) -> dict:
+        """A member shares its representative's timings; backends are parity-checked for it best first
+        until one passes, which is the member's pick by the same rule."""
+        ms = dict(rep_point["ms"])
+        point: dict = {"m": case.m, "ms": ms, "err": {}, "rejected": {}}
+        if ms:
+            inp = bench.make_inputs(case, zlib.crc32(repr(case).encode()))
+            refs = bench.reference(case, inp)
+            eager = bench.run_once("eager", case, inp)
+            while ms and not self._gate(rank(ms)[0], case, inp, refs, eager, point):
+                del ms[rank(ms)[0]]
+        return point
+
+    def series(self, s: Series, features: tuple[int, ...]) -> None:
+        """Coarse grid, bisection where the winner changes, held-out points; members share the result
+        until the member phase checks them."""
+        points: dict[int, dict] = {}
+        pending = self.plan.grid(s.op, features)
+        while pending and not self.over():
+            for m in pending:
+                if self.over():
+                    break
+                case = self.case(s, s.rep, m, features)
+                points[m] = self.measure(case, self.names(case))
+            pending = [m for m in to_bisect(points, self.plan.ratio) if m not in points]
+        measured = sorted(points)
+        held = []
+        for m in held_out_ms(
+            measured, self.plan.m_cap(s.op, features), self.plan.held_out, f"{s.label} {features}"
+        ):
+            if not self.over():
+                case = self.case(s, s.rep, m, features)
+                held.append(self.measure(case, self.names(case)))
+        self.add(s, s.rep, features, [points[m] for m in measured], held, True)
+        for member in s.members:
+            self.add(
+                s, member, features, [{**points[m], "err": {}, "rejected": {}} for m in measured], [], False
+            )
+
+    def add(
+        self,
+        s: Series,
+        act: str,
+        features: tuple[int, ...],
+        points: list[dict],
+        held: list[dict],
+        checked: bool,
+    ) -> None:
+        segments = fit(points)
+        if segments:
+            e = {
+                "op": s.op,
+                "dtype": str(s.dtype).removeprefix("torch."),
+                "activation": act,
+                "mode": s.mode,
+                "dropout": s.dropout,
+                "features": list(features),
+                "measured_as": s.rep,
+                "parity_checked": checked,
+                "segments": segments,
+                "points": points,
+                "held_out": held,
+            }
+            self.entries[_key(e)] = e
+
+    def members(self) -> None:
+        """Full runs, after every representative: parity-check each member at each measured point."""
+        for key, e in list(self.entries.items()):
+            rep = self.entries.get((*key[:2], e["measured_as"], *key[3:]))
+            if e["parity_checked"] or rep is None or self.over():
+                continue
+            s = Series(e["op"], getattr(torch, e["dtype"]), e["mode"], e["dropout"], e["measured_as"])
+            feats = tuple(e["features"])
+            checked = [
+                self.check_member(self.case(s, e["activation"], p["m"], feats), p) for p in rep["points"]
+            ]
+            self.add(s, e["activation"], feats, checked, [], True)
+            self.bar.update()
+
+    def probe(
+        self, op: str, dtype: torch.dtype, mode: str, dropout: bool, acts: tuple[str, ...]
+    ) -> list[Series]:
+        """With --probe: time every activation at one mid shape; members that differ are measured alone."""
+        out = []
+        features = self.plan.features[op][0]
+        m = min(4096, self.plan.m_cap(op, features))
+        for cls in classes(op, acts):
+            s = Series(op, dtype, mode, dropout, cls[0], [])
+            if not self.plan.probe or len(cls) == 1 or self.over():
+                out.append(Series(op, dtype, mode, dropout, cls[0], list(cls[1:])))
+                continue
+            timed = {
+                a: self.measure(self.case(s, a, m, features), self.names(self.case(s, a, m, features)))["ms"]
+                for a in cls
+            }
+            for a in cls[1:]:
+                rep, mine = timed[cls[0]], timed[a]
+                same = (
+                    rep
+                    and mine
+                    and rank(rep)[0] == rank(mine)[0]
+                    and all(abs(mine[b] / rep[b] - 1) <= 2 * NOISE for b in rep.keys() & mine.keys())
+                )
+                (s.members if same else out).append(a if same else Series(op, dtype, mode, dropout, a, []))
+            out.append(s)
+        return out

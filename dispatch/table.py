@@ -1,0 +1,162 @@
+"""python -m dispatch.table: print the backend-choice tables of a heuristics table.
+
+Rows are token-count buckets M, columns feature sizes (N, or N,K for fused_linear), each cell the
+backend lookup chooses there and its measured speedup over eager. Activations whose cells are all
+equal share one table. ``--gpu`` takes a device slug or name (nvidia-h200, "NVIDIA H200"), or a path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Optional, Sequence
+
+import torch
+from tabulate import tabulate
+
+import heuristics
+from dispatch.calibrate_plan import rank
+from dispatch.registry import Call
+from dispatch.shapes import TOKENS
+
+LEGEND = (
+    "cell: backend and its speedup over eager measured at that M (~: at the nearest measured M where "
+    "that backend was chosen; >: beyond the largest measured M, the last segment continues)"
+)
+
+
+def _speedup(entry: dict, m: int, backend: str) -> str:
+    points = [p for p in entry["points"] if backend in p["ms"] and "eager" in p["ms"]]
+    points = [p for p in points if rank(p["ms"])[0] == backend] or points
+    if not points:
+        return ""
+    near = min(points, key=lambda p: abs(math.log(p["m"] / m)))
+    return f" {'' if near['m'] == m else '~'}{near['ms']['eager'] / near['ms'][backend]:.2f}x"
+
+
+def _grid(table: heuristics.Table, entries: list[dict]) -> tuple[list[str], list[list[str]]]:
+    entries = sorted(entries, key=lambda e: e["features"])
+    max_m = max(p["m"] for e in entries for p in e["points"])
+    rows = []
+    for m in [t for t in TOKENS if t <= max_m] + [t for t in TOKENS if t > max_m][:1]:
+        row = [f"{'>' if m > max_m else ''}{m}"]
+        for e in entries:
+            call = Call(
+                e["op"],
+                torch.device("cpu"),
+                getattr(torch, e["dtype"]),
+                (m, *e["features"]),
+                e["activation"],
+                e["dropout"],
+                e["mode"] == "training",
+            )
+            choice = table.choose(call)
+            row.append(f"{choice.backend}{_speedup(e, m, choice.backend)}" if choice else "-")
+        rows.append(row)
+    return ["M \\ " + ("N,K" if entries[0]["op"] == "fused_linear" else "N")] + [
+        ",".join(map(str, e["features"])) for e in entries
+    ], rows
+
+
+def render(
+    table: heuristics.Table,
+    op: Optional[str] = None,
+    dtype: Optional[str] = None,
+    activation: Optional[str] = None,
+    mode: Optional[str] = None,
+) -> str:
+    """Every choice table of ``table`` matching the filters, then the legend with its provenance."""
+    families: dict[tuple, dict[str, list[dict]]] = {}
+    for e in table.data["entries"]:
+        if (
+            (op or e["op"]) == e["op"]
+            and (dtype or e["dtype"]) == e["dtype"]
+            and (activation or e["activation"]) == e["activation"]
+            and (mode or e["mode"]) == e["mode"]
+        ):
+            fam = (e["op"], e["dtype"], e["mode"], e["dropout"])
+            families.setdefault(fam, {}).setdefault(e["activation"], []).append(e)
+    out = []
+    for (fop, fdtype, fmode, fdrop), by_act in sorted(families.items()):
+        shared: dict[str, tuple[list[str], list[str], list[list[str]]]] = {}
+        for act, entries in by_act.items():
+            headers, rows = _grid(table, entries)
+            key = repr((headers, rows))
+            shared.setdefault(key, ([], headers, rows))[0].append(act)
+        for acts, headers, rows in shared.values():
+            measured = sorted({e["measured_as"] for a in acts for e in by_act[a]})
+            title = f"{fop}  {fdtype}  {fmode}{'  dropout' if fdrop else ''}  activation {', '.join(acts)}"
+            out += [f"{title}  (timed as {', '.join(measured)})", tabulate(rows, headers=headers), ""]
+    if not families:
+        out.append("no entries match these filters")
+    return "\n".join(out + [LEGEND] + provenance(table))
+
+
+def provenance(table: heuristics.Table) -> list[str]:
+    """Where a table comes from: device, versions, date, run settings, backends, self-check."""
+    d, v, s = table.data["device"], table.data.get("versions", {}), table.data.get("settings", {})
+    cap = ".".join(map(str, d.get("capability") or [])) or "-"
+    run = f"{'quick' if s.get('quick') else 'full'} run of {s.get('elapsed_s')} s"
+    device = (
+        f"device: {d.get('name')} ({d.get('slug')}, {d.get('type')}, capability {cap}, "
+        f"{d.get('sm_count', '-')} SMs, copy bandwidth {d.get('measured_bandwidth_gbs') or '-'} GB/s)"
+    )
+    stopped = ", stopped by its budget" if s.get("stopped_by_budget") else ""
+    versions = f"torch {v.get('torch')}, triton {v.get('triton')}, cuda {v.get('cuda')}"
+    rule = f"ties within {s.get('noise', 0):.0%} go to {' > '.join(s.get('preference', []))}"
+    lines = [
+        f"table: {table.path}",
+        device,
+        f"calibrated {table.data.get('date')} with {versions}; {run}{stopped}",
+        f"{rule}; backends timed: {', '.join(table.data.get('backends', {}).values())}",
+    ]
+    check = table.data.get("self_check") or {}
+    if check.get("points"):
+        lines.append(
+            f"self-check: {check['within_5pct']:.0%} of {check['points']} held-out points within 5% of the "
+            f"fastest, worst regret {check['worst_regret'] or 0:+.1%}, "
+            f"worst vs eager {check['worst_vs_eager'] or 0:+.1%}"
+        )
+    return lines
+
+
+def find(gpu: Optional[str]) -> Optional[heuristics.Table]:
+    """The table for a path, a slug or a device name; the running device's table when ``gpu`` is None."""
+    if gpu and os.path.isfile(gpu):
+        return heuristics.load_table(gpu)
+    if gpu is None:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        gpu = heuristics.device_info(device)["slug"]
+    slug = heuristics.slugify(gpu)
+    return next((t for t in heuristics.all_tables() if t.slug == slug), None)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dispatch.table", description=__doc__.split("\n")[0])
+    p.add_argument("--gpu", help="device slug or name, or a table's path (default: this machine's device)")
+    p.add_argument("--op", choices=("bias_act_dropout", "fused_linear"))
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--activation")
+    p.add_argument("--mode", choices=("inference", "training"))
+    args = p.parse_args(argv)
+    table = find(args.gpu)
+    if table is None:
+        known = ", ".join(t.slug for t in heuristics.all_tables()) or "none"
+        print(
+            f"no heuristics table for {args.gpu or 'this device'} (known: {known}); "
+            f"write one with: {heuristics.CALIBRATE_HINT}",
+            file=sys.stderr,
+        )
+        return 1
+    print(render(table, args.op, args.dtype, args.activation, args.mode))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

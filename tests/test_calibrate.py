@@ -1,0 +1,260 @@
+"""Calibration: the winner rule, bisection to the crossover, a tiny real run on CPU, the table CLI."""
+
+import json
+
+import pytest
+import torch
+
+import heuristics
+from dispatch import calibrate, calibrate_bench, explain, registry, select
+from dispatch import table as table_cli
+from dispatch.calibrate_plan import NOISE, fit, rank, spread, to_bisect
+from dispatch.registry import Call
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(heuristics.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(heuristics, "SHIPPED_DIR", str(tmp_path / "none"))
+    heuristics.reload()
+    select.clear_cache()
+    yield tmp_path
+    heuristics.reload()
+    select.clear_cache()
+
+
+@pytest.fixture
+def fake_backends(monkeypatch):
+    """Two eager twins whose (synthetic) times cross over: 'flat' wins for large M, 'slow' never.
+    The measurements still run the real parity gate; only the clock is replaced."""
+    eager = registry.get("eager")
+    for name in ("flat", "slow"):
+        twin = registry.Backend(name, eager.ops, eager.devices, eager.dtypes, eager.activations, True, "twin")
+        monkeypatch.setitem(registry._BACKENDS, name, twin)
+    cost = {"eager": lambda m: 1 + 0.01 * m, "flat": lambda m: 2 + 0.001 * m, "slow": lambda m: 10 + m}
+    extra = {"silu": 3.0}  # silu costs 3x under the synthetic clock, to be split off by the probe
+
+    def timer(name, case, inp):
+        return (name, case), []
+
+    def time_ms(fn, leaves, device, quick, training):
+        name, case = fn
+        return cost[name](case.m) * extra.get(case.activation, 1.0)
+
+    monkeypatch.setattr(calibrate_bench, "timer", timer)
+    monkeypatch.setattr(calibrate_bench, "time_ms", time_ms)
+    return cost
+
+
+def test_rank_breaks_ties_by_preference():
+    assert rank({"triton": 1.0, "eager": 1.0 + NOISE / 2, "inductor": 0.99}) == [
+        "eager",
+        "inductor",
+        "triton",
+    ]
+    assert rank({"triton": 1.0, "eager": 1.0 + 2 * NOISE}) == ["triton", "eager"]
+
+
+def test_fit_and_bisect():
+    def pt(m, eager, triton):
+        return {"m": m, "ms": {"eager": eager, "triton": triton}, "err": {"eager": 0.0, "triton": 1e-7}}
+
+    points = {1: pt(1, 1.0, 2.0), 64: pt(64, 2.0, 2.01), 4096: pt(4096, 10.0, 5.0)}
+    assert to_bisect(points, 1.5) == [512]  # eager wins up to 64 (64 is a tie), triton at 4096
+    segs = fit(list(points.values()))
+    assert [(s["m_from"], s["backend"]) for s in segs] == [(1, "eager"), (512, "triton")]
+    assert segs[0]["runner_up"] == "triton" and segs[0]["margin"] == pytest.approx(0.005)
+    assert segs[1]["speedup"] == pytest.approx(2.0) and segs[1]["errors"]["triton"] == 1e-7
+    assert to_bisect({1: pt(1, 1, 2), 2: pt(2, 2, 1)}, 1.5) == []  # adjacent: nothing in between
+
+
+def test_spread_covers_the_range_first():
+    order = spread(list(range(9)))
+    assert order[:3] == [4, 0, 8] and sorted(order) == list(range(9))
+
+
+def test_bisection_finds_the_crossover(user_dir, fake_backends, capsys):
+    args = [
+        "--quick",
+        "--dtypes",
+        "float32",
+        "--modes",
+        "inference",
+        "--activations",
+        "gelu",
+        "silu",
+        "identity",
+        "--features",
+        "32",
+        "32,16",
+        "--tokens",
+        "1",
+        "16",
+        "1024",
+        "--backends",
+        "flat",
+        "slow",
+        "--budget",
+        "600",
+    ]
+    assert calibrate.main(args) == 0
+    path = user_dir / f"{heuristics.device_info(torch.device('cpu'))['slug']}.json"
+    doc = json.loads(path.read_text())
+    # eager = 1 + 0.01 M, flat = 2 + 0.001 M: they cross at M = 111
+    for e in doc["entries"]:
+        segs = [(s["m_from"], s["backend"]) for s in e["segments"]]
+        assert [b for _, b in segs] == ["eager", "flat"], e
+        assert 64 <= segs[1][0] <= 200, segs
+        assert all(p["ms"]["slow"] > p["ms"]["eager"] for p in e["points"] if "slow" in p["ms"])
+    rep = next(
+        e for e in doc["entries"] if e["activation"] == e["measured_as"] and e["op"] == "bias_act_dropout"
+    )
+    assert len(rep["points"]) > 3 and rep["points"][0]["err"]["flat"] < 1e-6  # bisected; gate errors stored
+    assert {e["activation"] for e in doc["entries"]} == {"gelu", "silu", "identity"}
+    assert doc["self_check"]["points"] > 0 and doc["self_check"]["within_5pct"] == 1.0
+    # the written table is the one lookup uses
+    call = Call("bias_act_dropout", torch.device("cpu"), torch.float32, (1000, 32), "silu", False, False)
+    assert heuristics.lookup(call).backend == "flat"
+    x = torch.randn(8, 32)
+    assert explain("fused_bias_act_dropout", x, torch.randn(32), "gelu", 0.0).backend.name == "eager"
+    assert explain("fused_bias_act_dropout", torch.randn(1000, 32), None, "gelu", 0.0).backend.name == "flat"
+    out = capsys.readouterr().out
+    assert "flat" in out and "self-check" in out and "PASS" in out
+
+
+def test_full_mode_probe_splits_an_activation_of_other_cost(user_dir, fake_backends):
+    args = [
+        "--ops",
+        "bias_act_dropout",
+        "--dtypes",
+        "float32",
+        "--modes",
+        "inference",
+        "--activations",
+        "gelu",
+        "gelu_tanh",
+        "silu",
+        "--features",
+        "32",
+        "--tokens",
+        "1",
+        "4096",
+        "--backends",
+        "flat",
+        "--probe",
+        "--out",
+        str(user_dir / "full.json"),
+    ]
+    assert calibrate.main(args) == 0
+    doc = json.loads((user_dir / "full.json").read_text())
+    measured = {e["activation"]: e["measured_as"] for e in doc["entries"] if not e["dropout"]}
+    assert measured == {"gelu": "gelu", "gelu_tanh": "gelu", "silu": "silu"}
+    member = next(e for e in doc["entries"] if e["activation"] == "gelu_tanh" and not e["dropout"])
+    assert member["parity_checked"] and all(p["err"] for p in member["points"])
+
+
+def test_tiny_real_run_on_cpu(user_dir, capsys):
+    out = user_dir / "tiny.json"
+    args = [
+        "--quick",
+        "--ops",
+        "bias_act_dropout",
+        "fused_linear",
+        "--modes",
+        "inference",
+        "--activations",
+        "gelu",
+        "--features",
+        "64",
+        "64,32",
+        "--tokens",
+        "1",
+        "8",
+        "--backends",
+        "eager",
+        "--out",
+        str(out),
+    ]
+    assert calibrate.main(args) == 0
+    table = heuristics.load_table(str(out))
+    assert table.data["device"]["type"] == "cpu" and table.data["settings"]["timer"].startswith(
+        "time.perf_counter"
+    )
+    assert {e["op"] for e in table.data["entries"]} == {"bias_act_dropout", "fused_linear"}
+    for e in table.data["entries"]:
+        assert all(p["ms"]["eager"] > 0 for p in e["points"])
+    call = Call("fused_linear", torch.device("cpu"), torch.float32, (4, 64, 32), "gelu", False, False)
+    assert table.choose(call).backend == "eager"
+    capsys.readouterr()
+    assert table_cli.main(["--gpu", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "fused_linear  float32  inference  activation gelu" in printed and "64,32" in printed
+    assert "eager 1.00x" in printed and "calibrated" in printed and table.data["date"] in printed
+    assert table_cli.main(["--gpu", str(out), "--op", "fused_linear"]) == 0
+    assert "bias_act_dropout" not in capsys.readouterr().out.split("cell:")[0]
+
+
+def test_budget_stops_gracefully_and_resume_extends(user_dir, fake_backends):
+    out = user_dir / "partial.json"
+    args = [
+        "--quick",
+        "--dtypes",
+        "float32",
+        "--modes",
+        "inference",
+        "--ops",
+        "bias_act_dropout",
+        "--activations",
+        "gelu",
+        "--features",
+        "32",
+        "--tokens",
+        "1",
+        "64",
+        "--backends",
+        "flat",
+        "--out",
+        str(out),
+    ]
+    assert calibrate.main(args + ["--budget", "0"]) == 0
+    table = heuristics.load_table(str(out))
+    assert table.data["settings"]["stopped_by_budget"] and table.data["entries"] == []
+    assert calibrate.main(args + ["--features", "32", "48"]) == 0
+    first = {(e["features"][0], e["dropout"]): e for e in heuristics.load_table(str(out)).data["entries"]}
+    assert set(first) == {(32, False), (32, True), (48, False), (48, True)}
+    assert calibrate.main(args + ["--features", "32", "48", "96", "--resume"]) == 0
+    resumed = {(e["features"][0], e["dropout"]): e for e in heuristics.load_table(str(out)).data["entries"]}
+    assert set(resumed) == set(first) | {(96, False), (96, True)}
+    assert all(resumed[k] == first[k] for k in first)  # kept, not measured again
+
+
+def test_table_cli_unknown_device(user_dir, capsys):
+    assert table_cli.main(["--gpu", "no such gpu"]) == 1
+    assert "python -m dispatch.calibrate" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_small_calibration_on_gpu(user_dir, capsys):
+    """Every available backend, a few shapes: the table is written, loads, and serves lookups."""
+    out = user_dir / "gpu.json"
+    args = [
+        "--quick",
+        "--features",
+        "4096",
+        "4096,1024",
+        "--tokens",
+        "1",
+        "4096",
+        "--budget",
+        "120",
+        "--out",
+        str(out),
+    ]
+    assert calibrate.main(args) == 0
+    table = heuristics.load_table(str(out))
+    assert table.data["device"]["type"] == "cuda" and table.data["device"]["measured_bandwidth_gbs"] > 0
+    assert len(table.data["backends"]) >= 2 and table.data["entries"]
+    for e in table.data["entries"]:
+        for p in e["points"]:
+            assert set(p["ms"]) <= set(p["err"]) or not e["parity_checked"]  # timed only after the gate
+    assert "self-check" in capsys.readouterr().out

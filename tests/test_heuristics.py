@@ -1,0 +1,257 @@
+"""Heuristic tables: round trip, atomic write, bad tables, GPU matching, precedence, crossover lookup."""
+
+import json
+import os
+import time
+import warnings
+
+import pytest
+import torch
+
+import heuristics
+from dispatch import explain, registry, select
+from dispatch.registry import Call
+
+CPU = torch.device("cpu")
+CPU_SLUG = heuristics.device_info(CPU)["slug"]
+
+
+def segments(*cuts):
+    """[(m_from, backend), ...] -> the table's segment dicts."""
+    return [
+        {"m_from": m, "backend": b, "runner_up": "eager", "margin": 0.1, "speedup": 1.2, "errors": {b: 1e-7}}
+        for m, b in cuts
+    ]
+
+
+def entry(
+    cuts,
+    op="bias_act_dropout",
+    features=(4096,),
+    activation="gelu",
+    dtype="float32",
+    mode="training",
+    dropout=True,
+    points=(1, 64, 96, 4096),
+):
+    return {
+        "op": op,
+        "dtype": dtype,
+        "activation": activation,
+        "mode": mode,
+        "dropout": dropout,
+        "features": list(features),
+        "measured_as": activation,
+        "parity_checked": True,
+        "segments": segments(*cuts),
+        "points": [{"m": m, "ms": {"eager": 1.0}, "err": {}, "rejected": {}} for m in points],
+        "held_out": [],
+    }
+
+
+def document(entries, slug=CPU_SLUG, device_type="cpu", capability=None, versions=None, name="test device"):
+    return {
+        "schema_version": heuristics.SCHEMA_VERSION,
+        "device": {
+            "type": device_type,
+            "name": name,
+            "slug": slug,
+            "capability": capability,
+            "peak_bandwidth_gbs": None,
+        },
+        "versions": versions or heuristics.running_versions(),
+        "date": "2026-01-01",
+        "settings": {},
+        "entries": entries,
+    }
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    """Empty user and shipped directories; caches cleared before and after."""
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    user.mkdir()
+    shipped.mkdir()
+    monkeypatch.setenv(heuristics.ENV_DIR, str(user))
+    monkeypatch.setattr(heuristics, "SHIPPED_DIR", str(shipped))
+    heuristics.reload()
+    select.clear_cache()
+    yield user, shipped
+    heuristics.reload()
+    select.clear_cache()
+
+
+def bad_call(m, n=4096, activation="gelu", dtype=torch.float32, training=True, dropout=True, device=CPU):
+    return Call("bias_act_dropout", device, dtype, (m, n), activation, dropout, training)
+
+
+def test_slugs():
+    assert heuristics.slugify("NVIDIA H200") == "nvidia-h200"
+    assert heuristics.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert CPU_SLUG.startswith("cpu-")
+
+
+def test_round_trip(dirs):
+    user, _ = dirs
+    doc = document([entry([(1, "eager"), (300, "nvfuser")])])
+    path = heuristics.save_table(doc, str(user / f"{CPU_SLUG}.json"))
+    with open(path) as f:
+        assert json.load(f) == doc
+    table = heuristics.load_table(path)
+    assert table.slug == CPU_SLUG and table.data == doc
+    assert heuristics.lookup(bad_call(300)).backend == "nvfuser"
+    assert heuristics.lookup(bad_call(299)).backend == "eager"
+
+
+def test_atomic_write_leaves_old_file(tmp_path):
+    path = tmp_path / "t.json"
+    heuristics.save_table({"a": 1}, str(path))
+    for bad in ({"a": {1, 2}}, {"a": float("nan")}):  # not JSON: a set; NaN (allow_nan=False)
+        with pytest.raises((TypeError, ValueError)):
+            heuristics.save_table(bad, str(path))
+        assert json.loads(path.read_text()) == {"a": 1}
+        assert os.listdir(tmp_path) == ["t.json"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{ not json",
+        json.dumps({"schema_version": 999, "device": {"slug": CPU_SLUG}, "entries": []}),
+        json.dumps(document([entry([(5, "eager"), (3, "triton")])])),  # segments out of order
+        json.dumps(document([{"op": "bias_act_dropout"}])),  # missing fields
+        json.dumps(document([entry([(1, "eager")], features=(0,))])),  # a size lookup cannot use
+        json.dumps(
+            document(
+                [{**entry([(1, "eager")]), "segments": [{"m_from": 1, "backend": "x", "margin": "big"}]}]
+            )
+        ),
+    ],
+)
+def test_corrupt_table_is_ignored_with_a_warning(dirs, content):
+    user, _ = dirs
+    (user / f"{CPU_SLUG}.json").write_text(content)
+    with pytest.warns(heuristics.HeuristicsWarning, match="ignoring heuristics table"):
+        assert heuristics.lookup(bad_call(64)) is None
+    assert "no calibrated table" in heuristics.describe(CPU)
+
+
+def test_unknown_gpu_uses_nearest_capability_with_one_warning(dirs, monkeypatch):
+    _, shipped = dirs
+    for slug, cap, backend in (
+        ("gpu-a", [9, 0], "triton"),
+        ("gpu-b", [8, 6], "inductor"),
+        ("gpu-c", [7, 5], "nvfuser"),
+    ):
+        doc = document([entry([(1, backend)])], slug=slug, device_type="cuda", capability=cap, name=slug)
+        heuristics.save_table(doc, str(shipped / f"{slug}.json"))
+    fake = {
+        "type": "cuda",
+        "name": "Some GPU",
+        "slug": "some-gpu",
+        "capability": [8, 0],
+        "peak_bandwidth_gbs": None,
+    }
+    monkeypatch.setattr(heuristics, "device_info", lambda device: fake)
+    cuda = torch.device("cuda", 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        choices = [heuristics.lookup(bad_call(m, device=cuda)) for m in (1, 2, 3)]
+        heuristics.describe(cuda)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, heuristics.HeuristicsWarning)]
+    assert len(msgs) == 1, msgs
+    assert "gpu-b" in msgs[0] and "python -m dispatch.calibrate" in msgs[0]
+    assert {c.backend for c in choices} == {"inductor"}
+    assert "nearest known GPU" in choices[0].description
+
+
+def test_cpu_without_table_is_none_and_silent(dirs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert heuristics.lookup(bad_call(64)) is None
+
+
+def test_version_mismatch_loads_with_a_warning(dirs):
+    user, _ = dirs
+    doc = document([entry([(1, "nvfuser")])], versions={"torch": "0.1", "triton": None, "cuda": None})
+    heuristics.save_table(doc, str(user / "t.json"))
+    with pytest.warns(heuristics.HeuristicsWarning, match="torch 0.1"):
+        assert heuristics.lookup(bad_call(64)).backend == "nvfuser"
+
+
+def test_user_table_takes_precedence(dirs):
+    user, shipped = dirs
+    heuristics.save_table(document([entry([(1, "nvfuser")])]), str(shipped / f"{CPU_SLUG}.json"))
+    assert heuristics.lookup(bad_call(64)).backend == "nvfuser"
+    heuristics.save_table(document([entry([(1, "inductor")])]), str(user / f"{CPU_SLUG}.json"))
+    heuristics.reload()
+    choice = heuristics.lookup(bad_call(64))
+    assert choice.backend == "inductor" and str(user) in choice.description
+
+
+def test_crossovers_decide_between_measured_sizes(dirs):
+    user, _ = dirs
+    heuristics.save_table(
+        document([entry([(1, "eager"), (80, "triton"), (3000, "inductor")])]), str(user / "t.json")
+    )
+    expected = {
+        1: "eager",
+        79: "eager",
+        80: "triton",
+        95: "triton",
+        2999: "triton",
+        3000: "inductor",
+        10**6: "inductor",
+    }
+    for m, backend in expected.items():
+        assert heuristics.lookup(bad_call(m)).backend == backend, m
+    assert "M in [80, 3000)" in heuristics.lookup(bad_call(100)).description
+    assert "beyond the largest measured M=4096" in heuristics.lookup(bad_call(10**6)).description
+    # other keys are not in the table
+    assert heuristics.lookup(bad_call(100, training=False)) is None
+    assert heuristics.lookup(bad_call(100, dropout=False)) is None
+    assert heuristics.lookup(bad_call(100, dtype=torch.bfloat16)) is None
+    assert heuristics.lookup(bad_call(100, activation="relu")) is None
+
+
+def test_nearest_feature_size(dirs):
+    user, _ = dirs
+    entries = [
+        entry([(1, "eager")], features=(1024,)),
+        entry([(1, "nvfuser")], features=(8192,)),
+        entry([(1, "eager")], op="fused_linear", features=(4096, 1024), dropout=False),
+        entry([(1, "inductor")], op="fused_linear", features=(1024, 4096), dropout=False),
+    ]
+    heuristics.save_table(document(entries), str(user / "t.json"))
+    choice = heuristics.lookup(bad_call(16, n=3000))  # log2: 1.55 from 1024, 1.45 from 8192
+    assert (
+        choice.backend == "nvfuser" and "nearest measured size 8192 (3000 not measured)" in choice.description
+    )
+    assert heuristics.lookup(bad_call(16, n=1024)).backend == "eager"
+    linear = Call("fused_linear", CPU, torch.float32, (16, 1100, 3000), "gelu", False, True)
+    assert heuristics.lookup(linear).backend == "inductor"
+
+
+def test_dispatcher_follows_the_table(dirs, monkeypatch):
+    user, _ = dirs
+    eager = registry.get("eager")
+    fake = registry.Backend(
+        "fake", eager.ops, eager.devices, eager.dtypes, eager.activations, True, "eager twin"
+    )
+    monkeypatch.setitem(registry._BACKENDS, "fake", fake)
+    heuristics.save_table(document([entry([(1, "eager"), (32, "fake")])]), str(user / "t.json"))
+    x, b = torch.randn(64, 4096, requires_grad=True), torch.randn(4096, requires_grad=True)
+    decision = explain("fused_bias_act_dropout", x, b, "gelu", 0.1)
+    assert decision.backend.name == "fake" and "heuristics table" in decision.rule
+    assert explain("fused_bias_act_dropout", x[:8], b, "gelu", 0.1).backend.name == "eager"
+
+
+def test_cached_lookup_is_cheap(dirs):
+    user, _ = dirs
+    heuristics.save_table(document([entry([(1, "eager"), (80, "triton")])]), str(user / "t.json"))
+    call = bad_call(100)
+    heuristics.lookup(call)
+    start = time.perf_counter()
+    for _ in range(10000):
+        heuristics.lookup(call)
+    assert (time.perf_counter() - start) / 10000 < 3e-6 * 5  # an lru_cache hit; generous for loaded CI

@@ -1,0 +1,94 @@
+"""python -m dispatch.parity: its quick mode passes on working backends and fails on a broken one.
+
+The compiling backends (nvfuser, inductor) are left out here: on 2 CPU cores their compiles take
+minutes for the quick grid, and their own test files check them against the same reference. The
+Triton interpreter is in (conftest sets TRITON_INTERPRET=1 without a GPU).
+"""
+
+import os
+
+import pytest
+import torch
+
+from backends.eager import bias_act_dropout as eager_bad
+from dispatch import parity, registry, select
+
+
+@pytest.fixture
+def clean_cache():
+    select.clear_cache()
+    yield
+    select.clear_cache()
+
+
+def twin(name, forward=None, backward=None):
+    """A backend that is eager except for the given bias_act_dropout functions."""
+    eager = registry.get("eager")
+    op = type(
+        "Op",
+        (),
+        {
+            "forward": staticmethod(forward or eager_bad.forward),
+            "backward": staticmethod(backward or eager_bad.backward),
+        },
+    )
+    ops = {**eager.ops, "bias_act_dropout": op}
+    return registry.Backend(
+        name,
+        ops,
+        eager.devices,
+        frozenset({torch.float32, torch.bfloat16}),
+        eager.activations,
+        True,
+        "test twin",
+    )
+
+
+def test_quick_passes(capsys, clean_cache):
+    names = ["eager"] + (
+        ["triton"] if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available() else []
+    )
+    assert parity.main(["--quick", "--backends", *names]) == 0
+    out = capsys.readouterr().out
+    for name in names:
+        for op in ("bias_act_dropout", "fused_linear"):
+            for dtype in ("float32", "bfloat16", "float16"):
+                assert any(
+                    line.split()[:3] == [name, op, dtype] and line.rstrip().endswith("PASS")
+                    for line in out.splitlines()
+                ), (name, op, dtype)
+    assert "FAIL" not in out
+
+
+def test_wrong_forward_fails(capsys, monkeypatch, clean_cache):
+    def forward(x, bias, activation, p, rng):
+        return eager_bad.forward(x, bias, activation, p, rng) * 1.01
+
+    monkeypatch.setitem(registry._BACKENDS, "broken", twin("broken", forward=forward))
+    assert parity.main(["--quick", "--backends", "eager", "broken"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL broken bias_act_dropout float32" in out and "y " in out
+    assert "skipped broken" in out  # float16 and float64 are not declared: skipped with the reason
+
+
+def test_wrong_gradient_and_crash_fail(capsys, monkeypatch, clean_cache):
+    def backward(grad_y, x, bias, activation, p, rng, need_x, need_bias):
+        gx, gb = eager_bad.backward(grad_y, x, bias, activation, p, rng, need_x, need_bias)
+        return gx, None if gb is None else gb + 1.0
+
+    def forward(*args):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setitem(registry._BACKENDS, "badgrad", twin("badgrad", backward=backward))
+    monkeypatch.setitem(registry._BACKENDS, "crash", twin("crash", forward=forward))
+    assert parity.main(["--quick", "--backends", "badgrad", "crash"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL badgrad bias_act_dropout float32" in out and "grad_bias" in out
+    assert "RuntimeError: kernel exploded" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("badgrad", "crash"))]
+    assert all(r[-1] == "PASS" for r in rows if r[1] == "fused_linear")  # the eager fused_linear is fine
+
+
+@pytest.mark.gpu
+def test_quick_passes_for_every_backend_on_gpu(capsys, clean_cache):
+    assert parity.main(["--quick"]) == 0, capsys.readouterr().out
