@@ -12,6 +12,24 @@ SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 INV_SQRT_2 = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 GELU_TANH_C = tl.constexpr(0.044715)
+# gelu's Phi(-t) = 2^(Q(t) - t^2 / (2 ln 2)), t = |z|; Q: degree 7 on [0, 5.5], least squares weighted
+# by Phi(-t) (the error Phi sees) iterated toward minimax. |error| in Phi 1.1e-7 in float32 (libdevice
+# erff: ~1 ulp), but branch-free: 7 FFMA + 1 EX2 with immediate coefficients, where erff selects
+# between two polynomials (gelu forward 21 instead of 40 sm_90 instructions an element). Past 5.5, Q
+# is frozen and the Gaussian factor alone drives Phi(-t) to 0.
+PHI_T_MAX = tl.constexpr(5.5)
+HALF_LOG2E = tl.constexpr(0.7213475204444817)
+PHI_Q = (
+    -0.9999998807907104,
+    -1.1511108875274658,
+    0.26219436526298523,
+    -0.052691128104925156,
+    0.007389293983578682,
+    -0.00042124890023842454,
+    -5.390010483097285e-05,
+    8.469786735076923e-06,
+)
+Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7 = (tl.constexpr(c) for c in PHI_Q)
 # constexpr globals go on the right of tensor products: the interpreter mishandles constexpr * tensor
 
 
@@ -27,6 +45,14 @@ def _tanh(u):
 
 
 @triton.jit
+def _normal_tail(z):
+    """Phi(-|z|) for float32 z, the standard normal's tail: one exp2, no branches."""
+    t = tl.minimum(tl.abs(z), PHI_T_MAX)
+    q = ((((((t * Q7 + Q6) * t + Q5) * t + Q4) * t + Q3) * t + Q2) * t + Q1) * t + Q0
+    return tl.exp2(q - z * z * HALF_LOG2E)
+
+
+@triton.jit
 def apply(z, ACTIVATION: tl.constexpr):
     """act(z) for float32 z."""
     if ACTIVATION == "identity":
@@ -35,8 +61,9 @@ def apply(z, ACTIVATION: tl.constexpr):
         y = tl.maximum(z, 0.0)
     elif ACTIVATION == "leaky_relu":
         y = tl.where(z > 0.0, z, z * LEAKY_RELU_SLOPE)
-    elif ACTIVATION == "gelu":
-        y = 0.5 * z * (1.0 + tl.math.erf(z * INV_SQRT_2))
+    elif ACTIVATION == "gelu":  # z * Phi(z)
+        tail = _normal_tail(z)
+        y = z * tl.where(z >= 0.0, 1.0 - tail, tail)
     elif ACTIVATION == "gelu_tanh":
         y = 0.5 * z * (1.0 + _tanh((z + z * z * z * GELU_TANH_C) * SQRT_2_OVER_PI))
     elif ACTIVATION == "squared_relu":
@@ -57,9 +84,10 @@ def derivative(z, ACTIVATION: tl.constexpr):
         d = tl.where(z > 0.0, 1.0, 0.0)
     elif ACTIVATION == "leaky_relu":
         d = tl.where(z > 0.0, 1.0, LEAKY_RELU_SLOPE)
-    elif ACTIVATION == "gelu":
-        cdf = 0.5 * (1.0 + tl.math.erf(z * INV_SQRT_2))
-        d = cdf + z * tl.exp(-0.5 * z * z) * INV_SQRT_2PI
+    elif ACTIVATION == "gelu":  # Phi(z) + z * phi(z)
+        tail = _normal_tail(z)
+        cdf = tl.where(z >= 0.0, 1.0 - tail, tail)
+        d = cdf + z * tl.exp2(z * z * -HALF_LOG2E) * INV_SQRT_2PI
     elif ACTIVATION == "gelu_tanh":
         t = _tanh((z + z * z * z * GELU_TANH_C) * SQRT_2_OVER_PI)
         d = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * (1.0 + z * z * (3.0 * GELU_TANH_C)) * SQRT_2_OVER_PI

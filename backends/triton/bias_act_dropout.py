@@ -1,9 +1,208 @@
-"""Placeholder: the Triton bias_act_dropout kernels land here (issue in progress)."""
+"""Triton bias_act_dropout: launch settings per shape class, then the launchers of the
+``dispatch.registry.BiasActDropoutImpl`` contract. Kernels: ``bias_act_dropout_kernels.py``.
+
+Launch settings come from a rule, not an autotuner, so a new token count never triggers tuning:
+BLOCK_N a power of two <= 1024 that wastes at most 1/16 of a row on padding, BLOCK_M the rest of a
+fixed tile; decode shapes (M <= 64) take every row in one tile: one launch forward, one backward.
+Compiled variants are keyed by these buckets only (M is not specialized).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from backends.triton.bias_act_dropout_kernels import _backward_kernel, _bias_grad_kernel, _forward_kernel
+from dispatch import rng as dropout_rng
+
+# Forward: 4 x 1024 bf16 tiles (32 elements a thread, 4 warps) ran bias+gelu at 1.03x a copy's time on
+# H200 (issue 3 feasibility kernel). float32 takes 16 a thread, the same 64 bytes: at 32 the dropout
+# kernel needed 120-136 registers (sm_90 SASS, triton 3.6 / 3.9) against 48. Backward keeps 8 a
+# thread: with the bias-gradient accumulator and the bias in registers, 32 needed 96-223 registers.
+FORWARD_BYTES_PER_THREAD, FORWARD_WARPS = 64, 4
+BACKWARD_PER_THREAD, BACKWARD_WARPS = 8, 8
+MAX_BLOCK_N = 1024
+DECODE_ROWS = 64  # M up to this: one tile holds every row (one launch forward, one backward)
+DECODE_TILE = 4096
+# Backward row-programs loop over rows summing the bias gradient: at most MAX_ROWS_PER_PROGRAM rows
+# (float32 partials <= 1/16 byte an element, ~1% of bf16 backward traffic), fewer while the grid would
+# fall under MIN_PROGRAMS_PER_SM programs an SM.
+MAX_ROWS_PER_PROGRAM = 64
+MIN_PROGRAMS_PER_SM = 4
+_INT32_LIMIT = 2**31
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def forward(*args, **kwargs):
-    raise NotImplementedError("triton bias_act_dropout is not implemented yet")
+class Config(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
 
 
-def backward(*args, **kwargs):
-    raise NotImplementedError("triton bias_act_dropout is not implemented yet")
+def _block_n(n: int, top: int) -> int:
+    """The widest of top, top/2, top/4 (>= 8) whose padding wastes <= 1/16 of a row, else the least
+    wasteful (N = 768 -> 256, 11008 -> 1024, 4096 -> 1024)."""
+    top = max(8, min(top, triton.next_power_of_2(n)))
+    options = [b for b in (top, top // 2, top // 4) if b >= 8]
+    waste = {b: triton.cdiv(n, b) * b - n for b in options}
+    fitting = [b for b in options if 16 * waste[b] <= n]
+    return fitting[0] if fitting else min(options, key=lambda b: (waste[b], -b))
+
+
+@functools.lru_cache(maxsize=4096)
+def config(m: int, n: int, itemsize: int, backward: bool = False) -> Config:
+    """Tile of the (M, N) view: decode shapes get every row in one tile, others a fixed tile size."""
+    if backward:
+        per_thread, warps = BACKWARD_PER_THREAD, BACKWARD_WARPS
+    else:
+        per_thread, warps = FORWARD_BYTES_PER_THREAD // itemsize, FORWARD_WARPS
+    if m <= DECODE_ROWS:
+        block_m = triton.next_power_of_2(max(m, 1))
+        block_n = _block_n(n, min(MAX_BLOCK_N, max(8, DECODE_TILE // block_m)))
+        per_thread = 8  # latency-bound: spread the few elements over more threads
+    else:
+        block_n = _block_n(n, MAX_BLOCK_N)
+        block_m = min(max(1, per_thread * warps * 32 // block_n), triton.next_power_of_2(m))
+    num_warps = min(8, max(1, block_m * block_n // (32 * per_thread)))
+    return Config(block_m, block_n, num_warps)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the CPU interpreter: few programs
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _rows_per_program(m: int, cfg: Config, col_programs: int, device: torch.device) -> int:
+    """Rows one backward program sums for the bias gradient: a multiple of BLOCK_M, all of them for
+    decode shapes (then grad_bias is written directly, no second kernel)."""
+    if m <= DECODE_ROWS:
+        return cfg.block_m
+    row_blocks = triton.cdiv(m, cfg.block_m)
+    spare = row_blocks * col_programs // (MIN_PROGRAMS_PER_SM * _sm_count(device))
+    return cfg.block_m * min(max(1, spare), max(1, MAX_ROWS_PER_PROGRAM // cfg.block_m))
+
+
+def _wide(n: int, *col_strides: int) -> bool:
+    return (n - 1) * max(col_strides) >= _INT32_LIMIT
+
+
+def _check(x: Tensor, bias: Optional[Tensor]) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be a 2-D (M, N) tensor, got shape {tuple(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x must be float16, bfloat16 or float32 for triton, got {x.dtype}")
+    if bias is not None and (bias.shape != (x.shape[1],) or bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(
+            f"bias must be a ({x.shape[1]},) {x.dtype} tensor on {x.device}, got "
+            f"{tuple(bias.shape)} {bias.dtype} on {bias.device}"
+        )
+
+
+def _dropout_args(p: float, rng: Optional[Tensor]) -> tuple[int, float]:
+    if rng is None:
+        return 0, 1.0
+    return dropout_rng.threshold(p), dropout_rng.keep_scale(p)
+
+
+def forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Tensor]) -> Tensor:
+    """y = dropout(act(x + bias)) in one pass; x (M, N) with any strides, y contiguous in x's dtype."""
+    _check(x, bias)
+    m, n = x.shape
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    cfg = config(m, n, x.element_size())
+    threshold, scale = _dropout_args(p, rng)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    _forward_kernel[grid](
+        x,
+        x if bias is None else bias,
+        y,
+        x if rng is None else rng,
+        m,
+        n,
+        x.stride(0),
+        x.stride(1),
+        threshold,
+        scale,
+        ACTIVATION=activation,
+        HAS_BIAS=bias is not None,
+        DROPOUT=rng is not None,
+        GROUPED=n % 8 == 0,
+        WIDE=_wide(n, x.stride(1)),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+    )
+    return y
+
+
+def backward(
+    grad_y: Tensor,
+    x: Tensor,
+    bias: Optional[Tensor],
+    activation: str,
+    p: float,
+    rng: Optional[Tensor],
+    need_x: bool,
+    need_bias: bool,
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """grad_x = grad_y * keep * scale * act'(x + bias) and grad_bias = its column sums, in one pass
+    over (M, N) plus, when several row-programs share a column, a small deterministic reduction."""
+    _check(x, bias)
+    if grad_y.shape != x.shape:
+        raise ValueError(f"grad_y must have x's shape {tuple(x.shape)}, got {tuple(grad_y.shape)}")
+    need_bias = need_bias and bias is not None
+    m, n = x.shape
+    grad_x = torch.empty((m, n), dtype=x.dtype, device=x.device) if need_x else None
+    if not need_bias:
+        if not need_x or grad_x.numel() == 0:
+            return grad_x, None
+    elif x.numel() == 0:
+        return grad_x, torch.zeros_like(bias)
+    cfg = config(m, n, x.element_size(), backward=True)
+    col_programs = triton.cdiv(n, cfg.block_n)
+    rows_per_program = _rows_per_program(m, cfg, col_programs, x.device) if need_bias else cfg.block_m
+    row_programs = triton.cdiv(m, rows_per_program)
+    grad_bias = partials = None
+    if need_bias:
+        grad_bias = torch.empty_like(bias)
+        if row_programs > 1:
+            partials = torch.empty((row_programs, n), dtype=torch.float32, device=x.device)
+    threshold, scale = _dropout_args(p, rng)
+    _backward_kernel[(row_programs, col_programs)](
+        grad_y,
+        x,
+        x if bias is None else bias,
+        x if grad_x is None else grad_x,
+        x if grad_bias is None else (grad_bias if partials is None else partials),
+        x if rng is None else rng,
+        m,
+        n,
+        rows_per_program,
+        grad_y.stride(0),
+        grad_y.stride(1),
+        x.stride(0),
+        x.stride(1),
+        threshold,
+        scale,
+        ACTIVATION=activation,
+        HAS_BIAS=bias is not None,
+        DROPOUT=rng is not None,
+        GROUPED=n % 8 == 0,
+        WIDE=_wide(n, x.stride(1), grad_y.stride(1)),
+        NEED_X=need_x,
+        NEED_BIAS=need_bias,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+    )
+    if partials is not None:  # 32 columns (128 B rows) a program: N / 32 programs stream the partials
+        _bias_grad_kernel[(triton.cdiv(n, 32),)](partials, grad_bias, row_programs, n, BLOCK_R=64, BLOCK_N=32)
+    return grad_x, grad_bias

@@ -1,0 +1,333 @@
+"""Triton bias_act_dropout: outputs and gradients against the float64 reference, masks bit-identical
+to eager's, no repeated masks, bitwise-deterministic gradients, strides, and the paths that skip work.
+
+On CPU the kernels run under Triton's interpreter, so shapes stay tiny but still cross the paths that
+matter: N % 8 == 0 (one Philox call per 8 elements) and not, decode shapes (one tile holds every row:
+grad_bias written directly) and longer ones (per-program partial bias gradients plus a reduction).
+``gpu``-marked tests use real sizes, including a tensor of more than 2**31 elements.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+
+from backends.eager import bias_act_dropout as eager_op
+from backends.triton import bias_act_dropout as triton_op
+from dispatch import ACTIVATION_NAMES, fused_bias_act_dropout
+from dispatch import rng as dropout_rng
+from dispatch.tolerances import check
+
+triton_backend = pytest.importorskip("backends.triton").BACKEND
+if triton_backend.unavailable():
+    pytest.skip(triton_backend.unavailable(), allow_module_level=True)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TINY = ((1, 8), (7, 3), (33, 40), (5, 6, 24))
+LONG = ((600, 24), (300, 13))  # backward: several row-programs, partials + reduction (N % 8 == 0 and not)
+
+
+def _rng(device, seed: int = 1234) -> torch.Tensor:
+    """The [seed, offset] pair the public op draws from a generator seeded ``seed``."""
+    return dropout_rng.draw(torch.device(device), torch.Generator(device=device).manual_seed(seed))
+
+
+def _leaves(x, bias, needs):
+    return [None if t is None else t.detach().requires_grad_(need) for t, need in zip((x, bias), needs)]
+
+
+def _grads(y, leaves, grad_y) -> list[Optional[torch.Tensor]]:
+    inputs = [t for t in leaves if t is not None and t.requires_grad]
+    found = iter(torch.autograd.grad(y, inputs, grad_y) if inputs else ())
+    return [next(found) if t is not None and t.requires_grad else None for t in leaves]
+
+
+def _reference(x, bias, activation, p, seed, grad_y, needs, upcast):
+    rng = _rng(x.device, seed) if p > 0 else None
+    leaves = _leaves(x, bias, needs)
+    y = eager_op.reference(leaves[0], leaves[1], activation, p, rng, upcast=upcast)
+    return y.detach(), _grads(y, leaves, grad_y.to(y.dtype))
+
+
+def assert_matches(x, bias, activation, p, seed, grad_y, needs=(True, True)):
+    """The public op on triton (generator seeded ``seed``) vs the float64 reference with the same mask,
+    within the tolerance set by eager PyTorch in the same dtype; gradients only where needed."""
+    leaves = _leaves(x, bias, needs)
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    out = fused_bias_act_dropout(leaves[0], leaves[1], activation, p, generator=gen, backend="triton")
+    y, grads = out.detach(), _grads(out, leaves, grad_y)
+    ref, ref_grads = _reference(x, bias, activation, p, seed, grad_y, needs, upcast=True)
+    base, base_grads = _reference(x, bias, activation, p, seed, grad_y, needs, upcast=False)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    check("y", y, ref, base)
+    for name, g, r, b, t, need in zip(
+        ("grad_x", "grad_bias"), grads, ref_grads, base_grads, (x, bias), needs
+    ):
+        if need and t is not None:
+            assert g is not None and g.dtype == t.dtype and g.shape == t.shape, name
+            check(name, g, r, b)
+        else:
+            assert g is None, f"{name} computed but not needed"
+
+
+def _inputs(shape, dtype, device, bias=True):
+    x = torch.randn(shape, device=device).mul_(2).to(dtype)
+    b = torch.randn(shape[-1], device=device).to(dtype) if bias else None
+    return x, b, torch.randn(shape, device=device).to(dtype)
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("activation", ACTIVATION_NAMES)
+def test_matches_reference(activation, dtype, device):
+    for shape in TINY if activation in ("gelu", "relu") else TINY[1::2]:
+        x, bias, grad_y = _inputs(shape, dtype, device)
+        assert_matches(x, bias, activation, 0.2, 7, grad_y)
+
+
+@pytest.mark.parametrize("shape", LONG, ids=str)
+def test_long_shapes_reduce_partials(shape, device):
+    x, bias, grad_y = _inputs(shape, torch.float32, device)
+    cfg = triton_op.config(shape[0], shape[1], 4, backward=True)
+    per_program = triton_op._rows_per_program(shape[0], cfg, -(-shape[1] // cfg.block_n), x.device)
+    assert per_program < shape[0], "this shape should need several row-programs"
+    assert_matches(x, bias, "gelu", 0.3, 3, grad_y)
+
+
+@pytest.mark.parametrize(
+    "needs", [(True, True), (True, False), (False, True)], ids=["x-and-bias", "x-only", "bias-only"]
+)
+@pytest.mark.parametrize("shape", [(5, 24), (600, 24)], ids=str)
+def test_gradient_subsets(needs, shape, device):
+    x, bias, grad_y = _inputs(shape, torch.float32, device)
+    assert_matches(x, bias, "silu", 0.1, 5, grad_y, needs)
+
+
+def test_impl_computes_only_what_is_asked(device):
+    x, bias, grad_y = _inputs((9, 16), torch.float32, device)
+    rng = _rng(device)
+    assert triton_op.backward(grad_y, x, bias, "gelu", 0.1, rng, False, False) == (None, None)
+    gx, gb = triton_op.backward(grad_y, x, bias, "gelu", 0.1, rng, True, False)
+    assert gx is not None and gb is None
+    gx, gb = triton_op.backward(grad_y, x, bias, "gelu", 0.1, rng, False, True)
+    assert gx is None and gb is not None and gb.dtype == bias.dtype
+
+
+@pytest.mark.parametrize("shape", [(7, 3), (33, 40)], ids=str)
+def test_no_bias(shape, device):
+    x, _, grad_y = _inputs(shape, torch.bfloat16, device, bias=False)
+    assert_matches(x, None, "gelu_tanh", 0.25, 11, grad_y, (True, None))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_without_dropout_matches_reference(training, device):
+    x, bias, grad_y = _inputs((5, 6, 24), torch.float16, device)
+    y = fused_bias_act_dropout(x, bias, "gelu", 0.0 if training else 0.5, training, backend="triton")
+    check("y", y, eager_op.reference(x, bias, "gelu", upcast=True), eager_op.reference(x, bias, "gelu"))
+    assert_matches(x, bias, "squared_relu", 0.0, 0, grad_y)
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def _mask(y: torch.Tensor) -> torch.Tensor:
+    return y != 0
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("shape", [(1, 8), (7, 3), (33, 40), (9, 13), (4, 1)], ids=str)
+def test_mask_bit_identical_to_eager(shape, p, device):
+    """identity in float32: kept values are x * scale in both, so outputs must be bitwise equal."""
+    x, bias, grad_y = _inputs(shape, torch.float32, device)
+    rng = _rng(device)
+    y = triton_op.forward(x, bias, "identity", p, rng)
+    assert torch.equal(y, eager_op.forward(x, bias, "identity", p, rng))
+    gx, _ = triton_op.backward(grad_y, x, bias, "identity", p, rng, True, True)
+    assert torch.equal(gx, eager_op.backward(grad_y, x, bias, "identity", p, rng, True, False)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=lambda d: str(d)[6:])
+def test_half_zero_pattern_matches_eager(dtype, device):
+    """z > 0, so every zero is a dropped element (gelu's far negative tail rounds to 0 differently)."""
+    x = (torch.randn(17, 40, device=device).abs() + 0.1).to(dtype)
+    bias = torch.rand(40, device=device).to(dtype)
+    rng = _rng(device, seed=99)
+    y = triton_op.forward(x, bias, "gelu", 0.5, rng)
+    assert torch.equal(_mask(y), _mask(eager_op.forward(x, bias, "gelu", 0.5, rng)))
+
+
+@pytest.mark.parametrize(
+    "seed, offset",
+    [(3, 2**32 - 5), (2**40 + 17, 2**62 - 3), (2**61 + 2**33, 2**32 * 7 - 1)],
+    ids=["carry-into-high-word", "offset-near-2**62", "high-seed-bits"],
+)
+@pytest.mark.parametrize("n", [40, 13])
+def test_64_bit_counters_match_eager(seed, offset, n, device):
+    """Counters whose low word wraps inside the tile, offsets near 2**62, seeds above 2**32."""
+    x = torch.randn(6, n, device=device)
+    rng = torch.tensor([seed, offset], dtype=torch.int64, device=device)
+    assert torch.equal(
+        triton_op.forward(x, None, "identity", 0.5, rng), eager_op.forward(x, None, "identity", 0.5, rng)
+    )
+
+
+def _masks_do_not_repeat(keep: torch.Tensor, block: int) -> None:
+    m, n = keep.shape
+    for k in range(1, 65):
+        same = (keep[:-k] == keep[k:]).all(dim=1)
+        assert not same.any(), f"row r and r+{k} share a mask (rows {same.nonzero().flatten().tolist()[:5]})"
+    chunks = keep[:, : n - n % block].reshape(m, -1, block).transpose(0, 1).reshape(n // block, -1)
+    for i in range(1, chunks.shape[0]):
+        assert not (chunks[i:] == chunks[:-i]).all(dim=1).any(), f"column blocks {i} apart share a mask"
+
+
+def test_masks_do_not_repeat_across_rows_blocks_or_calls(device):
+    """Rows r vs r+k (k = 1..64) and column blocks of the kernel's width differ; two calls differ."""
+    shape = (80, 2048)  # > 64 rows, two column blocks of the forward tile
+    x = torch.ones(shape, device=device)
+    assert triton_op.config(*shape, 4).block_n < shape[1]
+    first = fused_bias_act_dropout(x, None, "identity", 0.5, backend="triton")
+    second = fused_bias_act_dropout(x, None, "identity", 0.5, backend="triton")
+    keep = _mask(first)
+    _masks_do_not_repeat(keep, triton_op.config(*shape, 4).block_n)
+    _masks_do_not_repeat(keep, 64)
+    assert not torch.equal(keep, _mask(second)), "two calls drew the same mask"
+    assert abs(keep.float().mean().item() - 0.5) < 0.01
+
+
+# ----------------------------------------------------------------------------- determinism, strides
+
+
+@pytest.mark.parametrize("shape", [(33, 40), (600, 24)], ids=str)
+def test_gradients_bitwise_deterministic(shape, device):
+    x, bias, grad_y = _inputs(shape, torch.bfloat16, device)
+    rng = _rng(device)
+    first = triton_op.backward(grad_y, x, bias, "gelu", 0.1, rng, True, True)
+    second = triton_op.backward(grad_y, x, bias, "gelu", 0.1, rng, True, True)
+    for a, b in zip(first, second):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_decode_backward_is_one_launch(device, monkeypatch):
+    class Forbidden:
+        def __getitem__(self, grid):
+            raise AssertionError("decode shapes must not launch the partial-sum reduction")
+
+    monkeypatch.setattr(triton_op, "_bias_grad_kernel", Forbidden())
+    x, bias, grad_y = _inputs((64, 40), torch.float32, device)
+    gx, gb = triton_op.backward(grad_y, x, bias, "relu", 0.1, _rng(device), True, True)
+    assert gx is not None and gb is not None
+
+
+STRIDED = {
+    "transposed-x": lambda t: t.t().contiguous().t(),
+    "every-other-column": lambda t: torch.stack([t, t + 1], dim=-1)[..., 0],
+    "expanded-row": lambda t: t[:1].expand_as(t),
+    "expanded-column": lambda t: t[:, :1].expand_as(t),
+}
+
+
+@pytest.mark.parametrize("layout", STRIDED)
+@pytest.mark.parametrize("shape", [(9, 16), (7, 3)], ids=str)
+def test_strided_inputs_and_grads(layout, shape, device):
+    x, bias, grad_y = _inputs(shape, torch.float32, device)
+    make = STRIDED[layout]
+    xs, gs = make(x), make(grad_y)
+    assert not xs.is_contiguous() and not gs.is_contiguous()
+    assert_matches(xs, bias, "gelu", 0.3, 2, gs)
+    rng = _rng(device)
+    y = triton_op.forward(xs, bias, "identity", 0.3, rng)
+    assert y.is_contiguous() and torch.equal(
+        y, triton_op.forward(xs.contiguous(), bias, "identity", 0.3, rng)
+    )
+
+
+def test_bad_input_is_named(device):
+    x = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match="x must be float16, bfloat16 or float32"):
+        triton_op.forward(x.double(), None, "relu", 0.0, None)
+    with pytest.raises(ValueError, match="bias must be a"):
+        triton_op.forward(x, torch.randn(7, device=device), "relu", 0.0, None)
+    with pytest.raises(ValueError, match="grad_y must have x's shape"):
+        triton_op.backward(x[:2], x, None, "relu", 0.0, None, True, False)
+
+
+def test_empty(device):
+    x = torch.randn(0, 8, device=device)
+    bias = torch.randn(8, device=device)
+    assert triton_op.forward(x, bias, "gelu", 0.1, _rng(device)).shape == (0, 8)
+    gx, gb = triton_op.backward(x, x, bias, "gelu", 0.1, _rng(device), True, True)
+    assert gx.shape == (0, 8) and torch.equal(gb, torch.zeros_like(bias))
+
+
+# ----------------------------------------------------------------------------- GPU sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape", [(3, 65536), (1000, 11008), (517, 5000), (333, 1001), (64, 4096), (65536, 768)], ids=str
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_gpu_shapes_match_reference(shape, dtype):
+    x, bias, grad_y = _inputs(shape, dtype, "cuda")
+    assert_matches(x, bias, "gelu", 0.1, 8, grad_y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 4096), (4097, 4096), (300, 65536), (1025, 1001)], ids=str)
+def test_gpu_masks_and_determinism(shape):
+    x, bias, grad_y = _inputs(shape, torch.float32, "cuda")
+    rng = _rng("cuda")
+    assert torch.equal(
+        triton_op.forward(x, bias, "identity", 0.1, rng), eager_op.forward(x, bias, "identity", 0.1, rng)
+    )
+    first = triton_op.backward(grad_y, x, bias, "gelu", 0.1, rng, True, True)
+    second = triton_op.backward(grad_y, x, bias, "gelu", 0.1, rng, True, True)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    eager_gx = eager_op.backward(grad_y, x, bias, "identity", 0.1, rng, True, False)[0]
+    assert torch.equal(triton_op.backward(grad_y, x, bias, "identity", 0.1, rng, True, False)[0], eager_gx)
+    _masks_do_not_repeat(triton_op.forward(torch.ones_like(x[:200]), None, "identity", 0.5, rng) != 0, 1024)
+
+
+@pytest.mark.gpu
+def test_gpu_more_than_2_31_elements():
+    """(2**31 / 4096 + 8) x 4096 bf16: rows around and past element 2**31 equal eager's on slices (the
+    slice's rng offset advanced by row * N / 8 groups); grad_bias matches the kept counts."""
+    n = 4096
+    m = 2**31 // n + 8
+    p = 0.1
+    x = torch.empty(m, n, dtype=torch.bfloat16, device="cuda").normal_()
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    rng = _rng("cuda")
+    y = triton_op.forward(x, bias, "identity", p, rng)
+    for row in (0, 2**31 // n - 1, 2**31 // n, m - 3):
+        rows = slice(row, row + 3)
+        rng_at = rng.clone()
+        rng_at[1] += row * n // 8
+        assert torch.equal(y[rows], eager_op.forward(x[rows], bias, "identity", p, rng_at)), f"rows {row}.."
+    del y
+    ones = torch.ones(1, 1, dtype=torch.bfloat16, device="cuda").expand(m, n)  # stride-0 grad_y
+    gx, gb = triton_op.backward(ones, x, bias, "identity", p, rng, True, True)
+    kept = (gx != 0).sum(0, dtype=torch.float64)
+    expected = kept * torch.tensor(dropout_rng.keep_scale(p), dtype=torch.float32).item()
+    torch.testing.assert_close(gb.double(), expected, rtol=1e-3, atol=0)
+    gx2, gb2 = triton_op.backward(ones, x, bias, "identity", p, rng, False, True)
+    assert gx2 is None and torch.equal(gb, gb2)
+
+
+def test_gelu_and_its_derivative_are_float32_accurate(device):
+    """The branch-free Phi of backends/triton/activations.py, densely over [-12, 12] and near 0: within
+    4e-7 * max(1, |z|) of float64 (libdevice's erff and torch: ~1.2e-7)."""
+    z = torch.cat([torch.linspace(-12, 12, 6001), torch.linspace(-1e-3, 1e-3, 201)]).to(device).view(1, -1)
+    z64 = z.double().requires_grad_()
+    ref = eager_op.reference(z64, None, "gelu", upcast=True)
+    (dref,) = torch.autograd.grad(ref.sum(), z64)
+    bound = 4e-7 * z.abs().clamp(min=1).double()
+    y = triton_op.forward(z, None, "gelu", 0.0, None)
+    gx, _ = triton_op.backward(torch.ones_like(z), z, None, "gelu", 0.0, None, True, False)
+    assert ((y.double() - ref).abs() <= bound).all(), (y.double() - ref).abs().max().item()
+    assert ((gx.double() - dref).abs() <= bound).all(), (gx.double() - dref).abs().max().item()
