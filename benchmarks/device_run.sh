@@ -25,11 +25,13 @@ for arg in "$@"; do
   [ "$limit" = "$arg" ] && limit=300
   case $name in
     env) stage env "$limit" bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m dispatch.info' ;;
-    gputests) stage gputests "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 tests ;;
+    gputests) stage gputests "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=10 ${GPU_K:+-k "$GPU_K"} ${GPU_TESTS:-tests} ;;
+    gputests2) stage gputests2 "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=10 ${GPU_K2:+-k "$GPU_K2"} ${GPU_TESTS2:-tests} ;;
     cputests) stage cputests "$limit" python3 -m pytest -q -p no:cacheprovider -x tests ;;
     bench_bad) stage bench_bad "$limit" python3 benchmarks/bench_bias_act_dropout.py --out "$R" ;;
     bench_bad_quick) stage bench_bad_quick "$limit" python3 benchmarks/bench_bias_act_dropout.py --quick --out "$R" ;;
     bench_linear) stage bench_linear "$limit" python3 benchmarks/bench_fused_linear.py --out "$R" ;;
+    bench_linear_variants) stage bench_linear_variants "$limit" python3 benchmarks/bench_fused_linear.py --quick --variants --out "$R" ;;
     bench_linear_quick) stage bench_linear_quick "$limit" python3 benchmarks/bench_fused_linear.py --quick --out "$R" ;;
     bench_overhead) stage bench_overhead "$limit" python3 benchmarks/bench_dispatch_overhead.py --out "$R" ;;
     bench_e2e) stage bench_e2e "$limit" python3 benchmarks/bench_e2e.py --out "$R" ;;
