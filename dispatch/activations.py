@@ -31,7 +31,7 @@ def _relu_grad(z: Tensor) -> Tensor:
 
 
 def _leaky_relu_grad(z: Tensor) -> Tensor:
-    return torch.where(z > 0, 1.0, LEAKY_RELU_SLOPE).to(z.dtype)
+    return torch.where(z > 0, 1.0, torch.full_like(z, LEAKY_RELU_SLOPE))  # two scalars would give float32
 
 
 def _gelu_grad(z: Tensor) -> Tensor:

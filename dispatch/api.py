@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 from typing import Any, Optional
 
 import torch
@@ -13,7 +12,7 @@ from torch import Tensor
 from dispatch import rng as dropout_rng
 from dispatch.activations import ACTIVATIONS, get_activation
 from dispatch.registry import Call
-from dispatch.select import ENV_VAR, Decision, _requested, decide, select
+from dispatch.select import ENV_VAR, Decision, _requested, decide, env_backend, select
 
 _FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
@@ -45,7 +44,7 @@ def _check_bias(bias: object, n: int, x: Tensor) -> Optional[Tensor]:
     _check_like("bias", b, x)
     if b.shape != (n,):
         raise ValueError(f"bias must have shape ({n},) to match the output's last dimension, got {tuple(b.shape)}")
-    return b
+    return b if b.is_contiguous() else b.contiguous()  # backends get a unit-stride bias (N values: cheap)
 
 
 def _check_x(x: object) -> Tensor:
@@ -73,8 +72,9 @@ def _bias_act_dropout_args(
     x = _check_x(x)
     b = _check_bias(bias, x.shape[-1], x)
     act = _check_activation(activation)
-    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
-        raise ValueError(f"p must be a number in [0, 1), got {p!r}")
+    if type(p) is not float or not 0.0 <= p < 1.0:  # the float fast path skips numbers.Real's ABC check
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
+            raise ValueError(f"p must be a number in [0, 1), got {p!r}")
     if not isinstance(training, bool):
         raise TypeError(f"training must be a bool, got {type(training).__name__}")
     if generator is not None:
@@ -100,7 +100,11 @@ def _fused_linear_args(
 
 
 def _needs_grad(*tensors: Optional[Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if torch.is_grad_enabled():
+        for t in tensors:  # a loop, not any(<generator>): this runs on every call
+            if t is not None and t.requires_grad:
+                return True
+    return False
 
 
 # ----------------------------------------------------------------------------- autograd glue
@@ -170,7 +174,7 @@ def fused_bias_act_dropout(
     n = x.shape[-1]
     rng = dropout_rng.draw(x.device, generator) if dropout else None
     p = p if dropout else 0.0
-    x2d = x.reshape(math.prod(x.shape[:-1]), n)  # (M, N), a view whenever the strides allow
+    x2d = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), n)  # (M, N), a view if strides allow
     if torch.compiler.is_compiling():
         from dispatch import library
 
@@ -183,7 +187,7 @@ def fused_bias_act_dropout(
         y = _BiasActDropout.apply(x2d, bias, impl, activation, p, rng)
     else:
         y = impl.forward(x2d, bias, activation, p, rng)
-    return y.view(x.shape)
+    return y if x2d is x else y.view_as(x)  # view_as: view(x.shape) parses a torch.Size, ~2 us
 
 
 def fused_linear(
@@ -207,13 +211,12 @@ def fused_linear(
     _check_backend(backend)
     k = x.shape[-1]
     n = weight.shape[0]
-    x2d = x.reshape(math.prod(x.shape[:-1]), k)  # (M, K)
-    out_shape = (*x.shape[:-1], n)
+    x2d = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), k)  # (M, K)
     grad = _needs_grad(x, weight, bias)
     if torch.compiler.is_compiling():
         from dispatch import library
 
-        return library.fused_linear(x2d, weight, bias, activation, backend or "", grad).view(out_shape)
+        return library.fused_linear(x2d, weight, bias, activation, backend or "", grad).view(*x.shape[:-1], n)
     key = ("fused_linear", x.device, x.dtype, x2d.shape[0], n, k, activation, grad)
     decision = select(key, lambda: Call("fused_linear", x.device, x.dtype, (x2d.shape[0], n, k), activation, False, grad), backend)
     impl = decision.backend.ops["fused_linear"]
@@ -221,7 +224,7 @@ def fused_linear(
         y = _FusedLinear.apply(x2d, weight, bias, impl, activation)
     else:
         y = impl.forward(x2d, weight, bias, activation)[0]
-    return y.view(out_shape)
+    return y if x2d is x else y.view(*x.shape[:-1], n)
 
 
 def explain(op_name: str, *args: Any, **kwargs: Any) -> Decision:
@@ -238,7 +241,7 @@ def explain(op_name: str, *args: Any, **kwargs: Any) -> Decision:
     if backend is None:
         backend, source = _requested.get(), "use_backend()"
     if backend is None:
-        backend, source = os.environ.get(ENV_VAR) or None, ENV_VAR
+        backend, source = env_backend(), ENV_VAR
     return decide(call, backend, source)
 
 

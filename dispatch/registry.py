@@ -18,8 +18,8 @@ OPS = ("bias_act_dropout", "fused_linear")
 
 
 class BiasActDropoutImpl(Protocol):
-    """x is (M, N) with any strides, bias (N,) or None; rng is ``dispatch.rng``'s [seed, offset] or None
-    (no dropout, p == 0). forward returns a new contiguous (M, N) tensor of x's dtype."""
+    """x is (M, N) with any strides, bias (N,) contiguous or None; rng is ``dispatch.rng``'s [seed, offset]
+    or None (no dropout, p == 0). forward returns a new contiguous (M, N) tensor of x's dtype."""
 
     def forward(
         self, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Tensor]
@@ -39,9 +39,10 @@ class BiasActDropoutImpl(Protocol):
 
 
 class FusedLinearImpl(Protocol):
-    """x is (M, K) with any strides, weight (N, K), bias (N,) or None. forward returns the contiguous
-    (M, N) output and ``saved``: None for identity, else the (M, N) pre-activation x @ W^T + b in x's
-    dtype. backward recomputes the pre-activation when ``saved`` is None and the activation needs it."""
+    """x is (M, K) and weight (N, K) with any strides, bias (N,) contiguous or None. forward returns the
+    contiguous (M, N) output and ``saved``: None for identity, else the (M, N) pre-activation
+    x @ W^T + b in x's dtype. backward recomputes the pre-activation when ``saved`` is None and the
+    activation needs it."""
 
     def forward(
         self, x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str

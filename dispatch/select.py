@@ -2,6 +2,7 @@
 the heuristic table of this GPU > eager as the default while no table exists > the priority list.
 
 Decisions are cached per call signature, so the steady-state cost is one dictionary lookup.
+``DISPATCH_BACKEND`` is read at import; after changing it in a running process, call ``clear_cache()``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ _requested: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
     "dispatch_backend", default=None
 )
 _cache: dict[tuple, "Decision"] = {}
+# Read at import and by clear_cache(), not per call: os.environ.get of an unset variable costs ~1 us
+# (a KeyError raised and caught inside os.environ), a third of the whole dispatch budget.
+_env_backend: Optional[str] = os.environ.get(ENV_VAR) or None
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ def select(key: tuple, make_call: Callable[[], Call], backend: Optional[str]) ->
         backend = _requested.get()
         source = "use_backend()"
         if backend is None:
-            backend = os.environ.get(ENV_VAR) or None
+            backend = _env_backend
             source = ENV_VAR
     full = (key, backend, source)
     found = _cache.get(full)
@@ -75,7 +79,15 @@ def select(key: tuple, make_call: Callable[[], Call], backend: Optional[str]) ->
 
 
 def clear_cache() -> None:
+    """Forgets every cached decision and re-reads ``DISPATCH_BACKEND``."""
+    global _env_backend
     _cache.clear()
+    _env_backend = os.environ.get(ENV_VAR) or None
+
+
+def env_backend() -> Optional[str]:
+    """The backend named by ``DISPATCH_BACKEND`` as last read (at import or by ``clear_cache()``)."""
+    return _env_backend
 
 
 def decide(call: Call, requested: Optional[str], source: str = "") -> Decision:

@@ -38,7 +38,9 @@ def _unavailable() -> Optional[str]:
 def _extra_reasons(call: Call, explicit: bool) -> list[str]:
     if call.device.type == "cpu":
         if not _interpreting():
-            return [f"triton runs on cpu only through its interpreter (TRITON_INTERPRET=1); x is on {call.device}"]
+            return [
+                f"triton runs on cpu only through its interpreter (TRITON_INTERPRET=1); x is on {call.device}"
+            ]
         if not explicit:
             return ["triton's CPU interpreter is for tests: it serves only calls that ask for triton by name"]
     return []

@@ -1,0 +1,247 @@
+"""Host overhead of the public ops over calling the chosen backend directly (target: <= 3 us per call).
+
+The overhead is everything the public op adds in steady state: argument checks, the reshape to 2-D,
+the cached decision and the final view. Both sides run on tiny tensors, so the time is host time:
+the direct side calls what the op would call (``impl.forward``, or the autograd glue when an input
+requires grad, plus the dropout draw when dropout is on). Timed with ``time.perf_counter`` over
+``--calls`` back-to-back calls, median of ``--repeats`` repeats, the two sides interleaved so that
+drift hits both. (``do_bench`` times device kernels; this is host time, so it is not used here.)
+
+Rows with backend "null" isolate the overhead from kernel-time noise: a stand-in backend whose
+forward returns a preallocated tensor, chosen through ``DISPATCH_BACKEND`` so the steady-state path
+(context variable, environment setting, cache) is the one every call takes. CPU runs use one intra-op thread:
+a 256-element GELU took 0.1-0.8 ms with two threads on a busy 2-core machine, drowning microseconds.
+
+    python benchmarks/bench_dispatch_overhead.py [--out DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # noqa: E402
+
+from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear  # noqa: E402
+from dispatch import rng as dropout_rng  # noqa: E402
+from dispatch.api import _BiasActDropout, _FusedLinear  # noqa: E402
+from dispatch.registry import Backend, backends, register  # noqa: E402
+from dispatch.select import ENV_VAR, clear_cache  # noqa: E402
+
+TARGET_US = 3.0
+# Tiny, so that kernels cost little next to the host work; M even: the 3-D cases view x as (2, M // 2, .)
+M, N, K = 4, 64, 64
+
+
+def _per_call_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _measure(
+    api: Callable[[], object], direct: Callable[[], object], calls: int, repeats: int, device
+) -> tuple[float, float, float]:
+    """Median per-call microseconds of api, of direct, and of their difference within each repeat."""
+    for fn in (api, direct):  # warm up: the decision cache, allocator, kernels
+        for _ in range(50):
+            fn()
+    api_us, direct_us, diff_us = [], [], []
+    for _ in range(repeats):
+        a = _per_call_us(api, calls, device)
+        d = _per_call_us(direct, calls, device)
+        api_us.append(a)
+        direct_us.append(d)
+        diff_us.append(a - d)
+    return statistics.median(api_us), statistics.median(direct_us), statistics.median(diff_us)
+
+
+class _Preallocated:
+    """A backend op returning a preallocated output: calling it costs only Python."""
+
+    def __init__(self, out: torch.Tensor, with_saved: bool):
+        self.result = (out, None) if with_saved else out
+
+    def forward(self, *args):
+        return self.result
+
+
+def _register_null(device: torch.device) -> str:
+    name = f"null-{device.type}"
+    if name not in backends():
+        y = torch.empty(M, N, device=device)
+        register(
+            Backend(
+                name=name,
+                ops={"bias_act_dropout": _Preallocated(y, False), "fused_linear": _Preallocated(y, True)},
+                devices=frozenset({device.type}),
+                dtypes=frozenset({torch.float32}),
+                activations=frozenset(ACTIVATION_NAMES),
+                deterministic=True,
+                summary="benchmark stand-in: returns a preallocated output",
+            )
+        )
+    return name
+
+
+Case = tuple[str, str, str, Callable[[], object], Callable[[], object]]  # backend, op, mode, api, direct
+
+
+def _null_cases(device: torch.device) -> list[Case]:
+    """The public ops over the null backend, 2-D and 3-D inputs (the direct side of a 3-D call
+    flattens and unflattens too, as any caller of a 2-D backend would)."""
+    null_name = _register_null(device)
+    null = backends()[null_name].ops
+    bad, lin = null["bias_act_dropout"], null["fused_linear"]
+    x, bias = torch.randn(M, N, device=device), torch.randn(N, device=device)
+    x3 = x.view(2, M // 2, N)
+    xk, w = torch.randn(M, K, device=device), torch.randn(N, K, device=device)
+    xk3 = xk.view(2, M // 2, K)
+    return [
+        (
+            null_name,
+            "bias_act_dropout",
+            "inference 2-D",
+            lambda: fused_bias_act_dropout(x, bias, "gelu"),
+            lambda: bad.forward(x, bias, "gelu", 0.0, None),
+        ),
+        (
+            null_name,
+            "bias_act_dropout",
+            "inference 3-D",
+            lambda: fused_bias_act_dropout(x3, bias, "gelu"),
+            lambda: bad.forward(x3.reshape(M, N), bias, "gelu", 0.0, None).view_as(x3),
+        ),
+        (
+            null_name,
+            "fused_linear",
+            "inference 2-D",
+            lambda: fused_linear(xk, w, bias, "gelu"),
+            lambda: lin.forward(xk, w, bias, "gelu")[0],
+        ),
+        (
+            null_name,
+            "fused_linear",
+            "inference 3-D",
+            lambda: fused_linear(xk3, w, bias, "gelu"),
+            lambda: lin.forward(xk3.reshape(M, K), w, bias, "gelu")[0].view(2, M // 2, N),
+        ),
+    ]
+
+
+def _chosen_cases(device: torch.device) -> list[Case]:
+    """The public ops over the backend the dispatcher chooses, against that backend's impl."""
+    x, bias = torch.randn(M, N, device=device), torch.randn(N, device=device)
+    x_grad = x.clone().requires_grad_()
+    xk, w = torch.randn(M, K, device=device), torch.randn(N, K, device=device)
+    xk_grad, w_grad = xk.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def chosen(op: str, *args, **kwargs):
+        decision = explain(op, *args, **kwargs)
+        return decision.backend.name, decision.backend.ops[decision.call.op]
+
+    name, bad = chosen("fused_bias_act_dropout", x, bias, "gelu")
+    name_train, bad_train = chosen("fused_bias_act_dropout", x_grad, bias, "gelu", 0.1)
+    name_lin, lin = chosen("fused_linear", xk, w, bias, "gelu")
+    name_lin_train, lin_train = chosen("fused_linear", xk_grad, w_grad, bias, "gelu")
+
+    def dropout_direct():
+        return _BiasActDropout.apply(x_grad, bias, bad_train, "gelu", 0.1, dropout_rng.draw(device))
+
+    return [
+        (
+            name,
+            "bias_act_dropout",
+            "inference 2-D",
+            lambda: fused_bias_act_dropout(x, bias, "gelu"),
+            lambda: bad.forward(x, bias, "gelu", 0.0, None),
+        ),
+        (
+            name_train,
+            "bias_act_dropout",
+            "training, p=0.1",
+            lambda: fused_bias_act_dropout(x_grad, bias, "gelu", 0.1),
+            dropout_direct,
+        ),
+        (
+            name_lin,
+            "fused_linear",
+            "inference 2-D",
+            lambda: fused_linear(xk, w, bias, "gelu"),
+            lambda: lin.forward(xk, w, bias, "gelu")[0],
+        ),
+        (
+            name_lin_train,
+            "fused_linear",
+            "training",
+            lambda: fused_linear(xk_grad, w_grad, bias, "gelu"),
+            lambda: _FusedLinear.apply(xk_grad, w_grad, bias, lin_train, "gelu"),
+        ),
+    ]
+
+
+def _measure_with_env(
+    case: Case, calls: int, repeats: int, device: torch.device
+) -> tuple[float, float, float]:
+    """Times a case; the null backend is chosen through DISPATCH_BACKEND, read by clear_cache()."""
+    backend, _, _, api, direct = case
+    before = os.environ.get(ENV_VAR)
+    if backend.startswith("null"):
+        os.environ[ENV_VAR] = backend
+    clear_cache()
+    try:
+        return _measure(api, direct, calls, repeats, device)
+    finally:
+        if before is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = before
+        clear_cache()
+
+
+def main() -> None:
+    parser = common.parser(__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=1000, help="calls per timed loop")
+    parser.add_argument("--repeats", type=int, default=15, help="timed loops per side (median)")
+    args = parser.parse_args()
+    if args.quick:
+        args.calls, args.repeats = 200, 5
+    torch.set_num_threads(1)
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda", torch.cuda.current_device()))
+    rows = []
+    for device in devices:
+        for case in _null_cases(device) + _chosen_cases(device):
+            api_us, direct_us, overhead_us = _measure_with_env(case, args.calls, args.repeats, device)
+            backend, op, mode = case[:3]
+            rows.append(
+                {
+                    "device": device.type,
+                    "backend": backend,
+                    "op": op,
+                    "mode": mode,
+                    "api_us": round(api_us, 2),
+                    "direct_us": round(direct_us, 2),
+                    "overhead_us": round(overhead_us, 2),
+                    "ok": overhead_us <= TARGET_US,
+                }
+            )
+    common.write("dispatch_overhead", rows, args.out)
+    worst = max(r["overhead_us"] for r in rows if r["backend"].startswith("null"))
+    print(f"dispatch overhead (null backend, worst case): {worst:.2f} us per call; target <= {TARGET_US} us")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""python -m dispatch.info: what this machine offers the dispatcher.
+
+Versions, the device, each registered backend (available or not, and whether the dispatcher may pick it
+on its own here: "auto", with the backend's own reasons), and the heuristics table in use.
+
+    python -m dispatch.info [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import platform
+from typing import Optional, Sequence
+
+import torch
+from tabulate import tabulate
+
+import heuristics
+from dispatch.registry import Backend, Call, backends
+
+PROBE_SHAPES = {"bias_act_dropout": (4096, 4096), "fused_linear": (4096, 4096, 4096)}  # a typical call
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _device_line(device: torch.device) -> str:
+    if device.type != "cuda":
+        cuda = "no CUDA GPU" if not torch.cuda.is_available() else "CUDA GPU present, not selected"
+        return f"{device} ({platform.processor() or platform.machine()}, {cuda})"
+    props = torch.cuda.get_device_properties(device)
+    gib = props.total_memory / 2**30
+    sms = props.multi_processor_count
+    return f"{device} {props.name} (sm_{props.major}{props.minor}, {sms} SMs, {gib:.0f} GiB)"
+
+
+def _probe(backend: Backend, device: torch.device) -> list[str]:
+    """Why the dispatcher would not pick ``backend`` on its own for a typical float32 gelu call of each
+    op it implements on ``device`` ([] if it would)."""
+    reasons: list[str] = []
+    for op, shape in PROBE_SHAPES.items():
+        if op not in backend.ops:
+            continue
+        call = Call(op, device, torch.float32, shape, "gelu", False, True)
+        reasons += [r for r in backend.not_supported_reasons(call, explicit=False) if r not in reasons]
+    return reasons
+
+
+def report(device: torch.device) -> str:
+    lines = [
+        f"fusedispatch {_version('fusedispatch')}: python {platform.python_version()}, "
+        f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), triton {_version('triton')}",
+        f"device: {_device_line(device)}",
+        f"heuristics: {heuristics.describe(device)}",
+        "",
+    ]
+    rows, notes = [], []
+    for name, backend in backends().items():
+        why_not = backend.unavailable()
+        probe = [] if why_not else _probe(backend, device)
+        dtypes = ", ".join(sorted(str(d).removeprefix("torch.") for d in backend.dtypes))
+        rows.append(
+            [
+                name,
+                "no" if why_not else "yes",
+                "no" if why_not or probe else "yes",
+                " ".join(backend.ops) or "-",
+                dtypes,
+                "yes" if backend.deterministic else "no",
+                backend.label() if backend.display_name() != name else "",
+            ]
+        )
+        for reason in [why_not] if why_not else probe:
+            notes.append(f"  {name}: {reason}")
+    headers = ["backend", "available", f"auto on {device.type}", "ops", "dtypes", "determ.", "detail"]
+    lines.append(tabulate(rows, headers=headers))
+    if notes:
+        lines += ["", "why not:", *notes]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dispatch.info", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    print(report(device))
+
+
+if __name__ == "__main__":
+    main()

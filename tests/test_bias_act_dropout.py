@@ -1,0 +1,188 @@
+"""bias_act_dropout on every registered backend against the float64 reference: outputs and gradients.
+
+Cases come from the registry; a backend that cannot serve one skips it with its own reason. Dropout
+cases draw ``rng`` from a seeded generator, so the reference applies the very same mask.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pytest
+import torch
+
+from backends.eager import bias_act_dropout as eager_op
+from dispatch import ACTIVATION_NAMES, fused_bias_act_dropout
+from dispatch import rng as dropout_rng
+from dispatch.registry import Call, backends
+from dispatch.tolerances import check
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SMALL_SHAPES = ((7,), (1, 1), (3, 5, 24))
+BIG_SHAPE = (1823, 781)
+GEN_SEED = 20260501
+COMPILING = frozenset({"inductor", "nvfuser"})  # each new kind of call compiles: 1-10 s on a small CPU
+
+
+def cpu_budget(backend: str, on_cpu: bool) -> tuple:
+    """Marks that keep a compiling backend's case off CPU CI (it still runs with -m gpu)."""
+    return () if on_cpu or backend not in COMPILING else (pytest.mark.gpu,)
+
+
+def _id(backend: str, dtype: torch.dtype, activation: str, shape: tuple, p: float) -> str:
+    return f"{backend}-{str(dtype)[6:]}-{activation}-{'x'.join(map(str, shape))}-p{p}"
+
+
+def grid(backend: str) -> list:
+    """(dtype, activation, shape, p) cases for ``backend``, bounded by what each case costs on CPU.
+
+    Eager: the full product on the small shapes, and on the big one every dtype x activation without
+    dropout plus each dtype with dropout (the mask of 1.4M elements costs ~0.2 s per evaluation on CPU;
+    test_rng covers masks at scale). Other backends, which compile or interpret every variant: each
+    activation once in float32, each dtype once with gelu, dropout a few times, and the big shape on
+    the GPU; backends that compile (COMPILING) run only the first two of these cases on CPU.
+    """
+    if backend == "eager":
+        cases = [
+            (d, a, s, p) for d in DTYPES for a in ACTIVATION_NAMES for s in SMALL_SHAPES for p in (0.0, 0.3)
+        ]
+        cases += [(d, a, BIG_SHAPE, 0.0) for d in DTYPES for a in ACTIVATION_NAMES]
+        cases += [(d, "gelu", BIG_SHAPE, 0.3) for d in DTYPES]
+        return [pytest.param(*c, id=_id(backend, *c)) for c in cases]
+    f32, bf16, f16 = DTYPES
+    cases = [(f32, "gelu", (3, 5, 24), 0.3), (bf16, "silu", (7,), 0.0)]
+    cases += [(f32, a, (3, 5, 24), 0.0) for a in ACTIVATION_NAMES if a != "gelu"]
+    cases += [(bf16, "gelu", (7,), 0.3), (f16, "gelu", (7,), 0.3), (f32, "relu", (1, 1), 0.3)]
+    params = [
+        pytest.param(*c, id=_id(backend, *c), marks=cpu_budget(backend, i < 2)) for i, c in enumerate(cases)
+    ]
+    params += [
+        pytest.param(
+            d, "gelu", BIG_SHAPE, 0.3, marks=pytest.mark.gpu, id=_id(backend, d, "gelu", BIG_SHAPE, 0.3)
+        )
+        for d in DTYPES
+    ]
+    return params
+
+
+def _each_backend(make) -> list:
+    return [
+        pytest.param(name, *case.values, id=case.id, marks=case.marks)
+        for name in backends()
+        for case in make(name)
+    ]
+
+
+def require(backend: str, x: torch.Tensor, activation: str, dropout: bool, training: bool = True) -> None:
+    """Skips with the backend's own reasons when it cannot serve this call."""
+    call = Call(
+        "bias_act_dropout",
+        x.device,
+        x.dtype,
+        (math.prod(x.shape[:-1]), x.shape[-1]),
+        activation,
+        dropout,
+        training,
+    )
+    reasons = backends()[backend].not_supported_reasons(call)
+    if reasons:
+        pytest.skip("; ".join(reasons))
+
+
+def run(
+    backend: str,
+    x: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    activation: str,
+    p: float,
+    grad_y: torch.Tensor,
+) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+    """Output and input gradients of the public op on ``backend`` (a fresh generator seeded GEN_SEED)."""
+    gen = torch.Generator(device=x.device).manual_seed(GEN_SEED)
+    try:
+        y = fused_bias_act_dropout(x, bias, activation, p, generator=gen, backend=backend)
+        inputs = [t for t in (x, bias) if t is not None and t.requires_grad]
+        grads = torch.autograd.grad(y, inputs, grad_y) if inputs else ()
+    except NotImplementedError as e:  # a backend folder still being written
+        pytest.skip(f"{backend}: {e}")
+    found = iter(grads)
+    return y, [next(found) if t is not None and t.requires_grad else None for t in (x, bias)]
+
+
+def reference(
+    x: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    activation: str,
+    p: float,
+    grad_y: torch.Tensor,
+    upcast: bool,
+) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+    """The reference's output and gradients for the same mask as ``run``."""
+    rng = None
+    if p > 0:
+        rng = dropout_rng.draw(x.device, torch.Generator(device=x.device).manual_seed(GEN_SEED))
+    leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (x, bias)]
+    y = eager_op.reference(leaves[0], leaves[1], activation, p, rng, upcast=upcast)
+    inputs = [t for t in leaves if t is not None and t.requires_grad]
+    grads = iter(torch.autograd.grad(y, inputs, grad_y.to(y.dtype)) if inputs else ())
+    return y, [next(grads) if t is not None and t.requires_grad else None for t in leaves]
+
+
+def assert_parity(backend: str, x, bias, activation: str, p: float, grad_y) -> None:
+    y, grads = run(backend, x, bias, activation, p, grad_y)
+    ref, ref_grads = reference(x, bias, activation, p, grad_y, upcast=True)
+    if backend == "eager":  # plain PyTorch in the same dtype sets the bar for the reference backend itself
+        base, base_grads = reference(x, bias, activation, p, grad_y, upcast=False)
+    else:
+        base, base_grads = run("eager", x, bias, activation, p, grad_y)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    check("y", y.detach(), ref.detach(), base.detach())
+    for name, g, r, b, t in zip(("grad_x", "grad_bias"), grads, ref_grads, base_grads, (x, bias)):
+        if t is not None and t.requires_grad:
+            assert g.dtype == t.dtype, f"{name} has dtype {g.dtype}, input has {t.dtype}"
+            check(name, g, r, b)
+
+
+@pytest.mark.parametrize("backend, dtype, activation, shape, p", _each_backend(grid))
+def test_matches_reference(backend, dtype, activation, shape, p, device):
+    x = torch.randn(shape, device=device).mul_(2).to(dtype).requires_grad_()
+    bias = torch.randn(shape[-1], device=device).to(dtype).requires_grad_()
+    require(backend, x, activation, p > 0)
+    grad_y = torch.randn(shape, device=device).to(dtype)
+    assert_parity(backend, x, bias, activation, p, grad_y)
+
+
+SUBSETS = {  # which inputs require grad: (x, bias); None = no bias
+    "x-and-bias": (True, True),
+    "x-only": (True, False),
+    "bias-only": (False, True),
+    "no-bias": (True, None),
+    "inference": (False, False),
+}
+
+
+@pytest.mark.parametrize(
+    "backend, subset",  # "x-and-bias" is the first grid case: no new compile
+    [pytest.param(b, s, marks=cpu_budget(b, s == "x-and-bias")) for b in backends() for s in SUBSETS],
+)
+def test_gradient_subsets(backend, subset, device):
+    need_x, need_bias = SUBSETS[subset]
+    shape = (3, 5, 24)
+    x = torch.randn(shape, device=device).requires_grad_(need_x)
+    bias = None if need_bias is None else torch.randn(24, device=device).requires_grad_(need_bias)
+    require(backend, x, "gelu", True, training=need_x or bool(need_bias))
+    assert_parity(backend, x, bias, "gelu", 0.3, torch.randn(shape, device=device))
+
+
+@pytest.mark.parametrize("p", (0.0, 0.3))
+@pytest.mark.parametrize("activation", ACTIVATION_NAMES)
+def test_gradcheck(activation, p, device):
+    x = torch.randn(4, 6, dtype=torch.float64, device=device, requires_grad=True)
+    bias = torch.randn(6, dtype=torch.float64, device=device, requires_grad=True)
+
+    def op(x, bias):  # the generator is reseeded on every call, so every evaluation has the same mask
+        gen = torch.Generator(device=device).manual_seed(GEN_SEED)
+        return fused_bias_act_dropout(x, bias, activation, p, generator=gen, backend="eager")
+
+    assert torch.autograd.gradcheck(op, (x, bias))

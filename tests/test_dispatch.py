@@ -1,0 +1,288 @@
+"""The dispatcher: explain(), the order argument > use_backend() > DISPATCH_BACKEND > table > default >
+priority list, refusals with reasons, and the decision cache.
+
+Test doubles are registered for the length of one test (monkeypatch restores the registry): "fake"
+serves everything, including the meta device that eager refuses, and records what it ran; "picky"
+serves float64 only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import heuristics
+from backends.eager import bias_act_dropout as eager_bad
+from backends.eager import fused_linear as eager_linear
+from dispatch import explain, fused_bias_act_dropout, fused_linear, use_backend
+from dispatch import registry
+from dispatch import select as select_mod
+from dispatch.activations import ACTIVATION_NAMES
+from dispatch.registry import Backend
+
+ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+class Recorder:
+    """An op implementation that delegates to eager's and records each call."""
+
+    def __init__(self, module):
+        self.module, self.calls = module, []
+
+    def forward(self, *args):
+        self.calls.append("forward")
+        return self.module.forward(*args)
+
+    def backward(self, *args):
+        self.calls.append("backward")
+        return self.module.backward(*args)
+
+
+def _double(name: str, dtypes=ALL_DTYPES) -> Backend:
+    return Backend(
+        name=name,
+        ops={"bias_act_dropout": Recorder(eager_bad), "fused_linear": Recorder(eager_linear)},
+        devices=frozenset({"cpu", "cuda", "meta"}),
+        dtypes=frozenset(dtypes),
+        activations=frozenset(ACTIVATION_NAMES),
+        deterministic=True,
+        summary="test double",
+    )
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch):
+    """A fresh decision cache, no table, no environment override; all restored afterwards."""
+    monkeypatch.delenv(select_mod.ENV_VAR, raising=False)
+    monkeypatch.setattr(heuristics, "lookup", lambda call: None)
+    select_mod.clear_cache()
+    yield
+    monkeypatch.undo()  # before re-reading DISPATCH_BACKEND below
+    select_mod.clear_cache()
+
+
+def _setenv(monkeypatch, name: str) -> None:
+    """DISPATCH_BACKEND is read at import and by clear_cache()."""
+    monkeypatch.setenv(select_mod.ENV_VAR, name)
+    select_mod.clear_cache()
+
+
+@pytest.fixture
+def fake(monkeypatch) -> Backend:
+    registry.backends()
+    backend = _double("fake")
+    monkeypatch.setitem(registry._BACKENDS, "fake", backend)
+    monkeypatch.setitem(registry._BACKENDS, "picky", _double("picky", {torch.float64}))
+    return backend
+
+
+def _table(monkeypatch, name: str) -> str:
+    description = f"test table: cell picks {name}"
+    monkeypatch.setattr(heuristics, "lookup", lambda call: heuristics.Choice(name, description))
+    return description
+
+
+def _args(device):
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    return x, torch.randn(16, device=device)
+
+
+# ----------------------------------------------------------------------------- explain
+
+
+def test_explain_default(device):
+    x, bias = _args(device)
+    decision = explain("fused_bias_act_dropout", x, bias, "gelu", 0.1)
+    assert decision.backend.name == "eager"
+    assert "default eager" in decision.rule
+    call = decision.call
+    assert (call.op, call.shape, call.dtype, call.activation, call.dropout, call.training) == (
+        "bias_act_dropout",
+        (4, 16),
+        torch.float32,
+        "gelu",
+        True,
+        True,
+    )
+    lines = str(decision).splitlines()
+    assert lines[0] == str(call) and "bias_act_dropout(4x16, float32, gelu, dropout, training)" in lines[0]
+    assert lines[1] == "  runs on: eager" and lines[2].startswith("  because: ")
+    others = [name for name in registry.backends() if name != "eager"]
+    assert [line.split(":")[0].strip() for line in lines[3:]] == others
+    for name in others:  # a reason, or the fact that it could have run
+        assert decision.reasons[name] or "could run, not chosen" in str(decision)
+
+
+def test_explain_fused_linear_and_inference(device):
+    x = torch.randn(2, 3, 8, device=device)
+    decision = explain("fused_linear", x, torch.randn(5, 8, device=device), None, "silu")
+    assert decision.call.shape == (6, 5, 8) and decision.call.activation == "silu"
+    assert not decision.call.training and not decision.call.dropout
+    off = explain("fused_bias_act_dropout", x, None, "relu", 0.5, training=False)
+    assert not off.call.dropout
+
+
+def test_explain_unknown_op():
+    with pytest.raises(
+        ValueError, match=r"op_name must be 'fused_bias_act_dropout' or 'fused_linear', got 'matmul'"
+    ):
+        explain("matmul", torch.randn(2, 2))
+
+
+# ----------------------------------------------------------------------------- the order of decision
+
+
+def test_table_beats_default(monkeypatch, fake, device):
+    description = _table(monkeypatch, "fake")
+    x, bias = _args(device)
+    decision = explain("fused_bias_act_dropout", x, bias)
+    assert decision.backend is fake and decision.rule == description
+    fused_bias_act_dropout(x, bias).sum().backward()
+    assert fake.ops["bias_act_dropout"].calls == ["forward", "backward"]
+
+
+def test_env_beats_table(monkeypatch, fake, device):
+    _table(monkeypatch, "fake")
+    _setenv(monkeypatch, "eager")
+    x, bias = _args(device)
+    decision = explain("fused_bias_act_dropout", x, bias)
+    assert decision.backend.name == "eager" and decision.rule == "requested by DISPATCH_BACKEND"
+    fused_bias_act_dropout(x, bias)
+    assert fake.ops["bias_act_dropout"].calls == []
+
+
+def test_use_backend_beats_env(monkeypatch, fake, device):
+    _setenv(monkeypatch, "eager")
+    x, bias = _args(device)
+    with use_backend("fake"):
+        decision = explain("fused_bias_act_dropout", x, bias)
+        fused_bias_act_dropout(x, bias)
+    assert decision.backend is fake and decision.rule == "requested by use_backend()"
+    assert fake.ops["bias_act_dropout"].calls == ["forward"]
+    fused_bias_act_dropout(x, bias)  # the block is over
+    assert fake.ops["bias_act_dropout"].calls == ["forward"]
+
+
+def test_argument_beats_use_backend(fake, device):
+    x, bias = _args(device)
+    w = torch.randn(3, 16, device=device)
+    with use_backend("fake"):
+        decision = explain("fused_bias_act_dropout", x, bias, backend="eager")
+        fused_bias_act_dropout(x, bias, backend="eager")
+        fused_linear(x, w, backend="eager")
+        fused_linear(x, w)
+    assert decision.backend.name == "eager" and decision.rule == "requested by the backend= argument"
+    assert fake.ops["bias_act_dropout"].calls == []
+    assert fake.ops["fused_linear"].calls == ["forward"]  # from the call without backend=
+
+
+def test_priority_list_when_the_table_pick_cannot_serve(monkeypatch, fake, device):
+    _table(monkeypatch, "picky")  # float64 only; the call is float32
+    monkeypatch.setattr(select_mod, "PRIORITY", ("picky", "fake", "eager"))
+    x, bias = _args(device)
+    decision = explain("fused_bias_act_dropout", x, bias)
+    assert decision.backend is fake
+    assert (
+        decision.rule == "table chose picky, which cannot serve it; first able backend in the priority list"
+    )
+    assert decision.reasons["picky"] == ["picky supports dtypes float64; x is torch.float32"]
+
+
+def test_priority_list_when_the_default_cannot_serve(monkeypatch, fake):
+    monkeypatch.setattr(select_mod, "PRIORITY", ("picky", "fake", "eager"))
+    x = torch.empty(4, 16, device="meta")  # eager runs on cpu and cuda only
+    decision = explain("fused_bias_act_dropout", x)
+    assert decision.backend is fake and decision.rule == "first able backend in the priority list"
+    assert decision.reasons["eager"] == ["eager needs a cpu or cuda device; x is on meta"]
+
+
+def test_no_backend_can_run_lists_every_reason():
+    x = torch.empty(4, 16, device="meta")
+    with pytest.raises(
+        ValueError, match=r"no backend can run bias_act_dropout\(4x16, float32, gelu, inference\) on meta"
+    ) as err:
+        explain("fused_bias_act_dropout", x)
+    for name in registry.backends():
+        assert f"\n  {name}: " in str(err.value)
+    assert "eager needs a cpu or cuda device; x is on meta" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("how", ("argument", "use_backend", "env"))
+def test_requested_backend_that_cannot_serve(how, monkeypatch, fake, device):
+    x, bias = _args(device)
+    source = {
+        "argument": "the backend= argument",
+        "use_backend": r"use_backend\(\)",
+        "env": "DISPATCH_BACKEND",
+    }[how]
+    match = (
+        rf"backend 'picky' \(from {source}\) cannot run bias_act_dropout\(4x16, float32.*"
+        r"picky supports dtypes float64; x is torch\.float32"
+    )
+    kwargs = {"backend": "picky"} if how == "argument" else {}
+    if how == "env":
+        _setenv(monkeypatch, "picky")
+    with pytest.raises(ValueError, match=match):
+        if how == "use_backend":
+            with use_backend("picky"):
+                fused_bias_act_dropout(x, bias, **kwargs)
+        else:
+            fused_bias_act_dropout(x, bias, **kwargs)
+    with pytest.raises(ValueError, match=r"backend 'picky'.*cannot run fused_linear"):
+        fused_linear(x, torch.randn(3, 16, device=device), backend="picky")
+
+
+def test_unknown_backend_lists_registered(monkeypatch, device):
+    names = ", ".join(registry.backends())
+    match = rf"backend must be one of {names}; got 'cudnn'"
+    x, bias = _args(device)
+    with pytest.raises(ValueError, match=match):
+        fused_bias_act_dropout(x, bias, backend="cudnn")
+    with pytest.raises(ValueError, match=match):
+        with use_backend("cudnn"):
+            pass
+    with pytest.raises(ValueError, match=match):
+        explain("fused_linear", x, torch.randn(3, 16, device=device), backend="cudnn")
+    _setenv(monkeypatch, "cudnn")
+    with pytest.raises(ValueError, match=match):
+        fused_bias_act_dropout(x, bias)
+
+
+# ----------------------------------------------------------------------------- the decision cache
+
+
+def test_decisions_are_cached(monkeypatch, device):
+    decided = []
+    original = select_mod.decide
+
+    def counting(call, requested, source=""):
+        decided.append(call)
+        return original(call, requested, source)
+
+    monkeypatch.setattr(select_mod, "decide", counting)
+    x, bias = _args(device)
+    for _ in range(3):
+        fused_bias_act_dropout(x, bias, "gelu", 0.1)
+    assert len(decided) == 1
+    fused_bias_act_dropout(x.detach(), bias, "gelu", 0.1)  # inference: another signature
+    fused_bias_act_dropout(x.double(), bias.double(), "gelu", 0.1)  # another dtype
+    fused_bias_act_dropout(x, bias, "relu", 0.1)  # another activation
+    fused_bias_act_dropout(x, bias, "gelu", 0.0)  # no dropout
+    fused_bias_act_dropout(x[:3], bias, "gelu", 0.1)  # another token count
+    assert len(decided) == 6
+    w = torch.randn(3, 16, device=device)
+    fused_linear(x, w)
+    fused_linear(x, w)
+    assert len(decided) == 7
+    assert [c.training for c in decided] == [True, False, True, True, True, True, True]
+
+
+def test_cache_follows_overrides(fake, device):
+    x, bias = _args(device)
+    fused_bias_act_dropout(x, bias)
+    with use_backend("fake"):  # a cached eager decision must not leak into the block
+        fused_bias_act_dropout(x, bias)
+    assert fake.ops["bias_act_dropout"].calls == ["forward"]

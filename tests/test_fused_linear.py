@@ -1,0 +1,174 @@
+"""fused_linear on every registered backend against the float64 reference: outputs and gradients.
+
+Cases come from the registry; a backend that cannot serve one skips it with its own reason.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pytest
+import torch
+
+from backends.eager import fused_linear as eager_op
+from dispatch import ACTIVATION_NAMES, fused_linear
+from dispatch.registry import Call, backends
+from dispatch.tolerances import check
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# x's shape (..., K) and out_features N
+SMALL_SHAPES = (((7,), 5), ((1, 1), 1), ((3, 5, 24), 17))
+BIG_SHAPE = ((1823, 781), 129)
+NAMES = ("grad_x", "grad_weight", "grad_bias")
+COMPILING = frozenset({"inductor", "nvfuser"})  # each new kind of call compiles: 1-10 s on a small CPU
+
+
+def cpu_budget(backend: str, on_cpu: bool) -> tuple:
+    """Marks that keep a compiling backend's case off CPU CI (it still runs with -m gpu)."""
+    return () if on_cpu or backend not in COMPILING else (pytest.mark.gpu,)
+
+
+def _id(backend: str, dtype: torch.dtype, activation: str, shape: tuple) -> str:
+    (x_shape, n) = shape
+    return f"{backend}-{str(dtype)[6:]}-{activation}-{'x'.join(map(str, x_shape))}-n{n}"
+
+
+def grid(backend: str) -> list:
+    """(dtype, activation, shape) cases for ``backend``, bounded by what each case costs on CPU.
+
+    Eager: the full product on the small shapes; on the big one every activation in float32 and
+    identity/gelu in the half dtypes (a half matmul of that size costs ~0.3 s on CPU, and the
+    activations are elementwise). Other backends, which compile or interpret every variant: each
+    activation once in float32, each dtype once with gelu, and the big shape on the GPU; backends that
+    compile (COMPILING) run only the first two of these cases on CPU.
+    """
+    if backend == "eager":
+        cases = [(d, a, s) for d in DTYPES for a in ACTIVATION_NAMES for s in SMALL_SHAPES]
+        cases += [(torch.float32, a, BIG_SHAPE) for a in ACTIVATION_NAMES]
+        cases += [(d, a, BIG_SHAPE) for d in DTYPES[1:] for a in ("identity", "gelu")]
+        return [pytest.param(*c, id=_id(backend, *c)) for c in cases]
+    f32, bf16, f16 = DTYPES
+    cases = [(f32, "gelu", SMALL_SHAPES[2]), (bf16, "identity", SMALL_SHAPES[0])]
+    cases += [(f32, a, SMALL_SHAPES[2]) for a in ACTIVATION_NAMES if a != "gelu"]
+    cases += [(bf16, "gelu", SMALL_SHAPES[0]), (f16, "gelu", SMALL_SHAPES[0]), (f32, "relu", SMALL_SHAPES[1])]
+    params = [
+        pytest.param(*c, id=_id(backend, *c), marks=cpu_budget(backend, i < 2)) for i, c in enumerate(cases)
+    ]
+    params += [
+        pytest.param(d, a, BIG_SHAPE, marks=pytest.mark.gpu, id=_id(backend, d, a, BIG_SHAPE))
+        for d in DTYPES
+        for a in ("identity", "gelu")
+    ]
+    return params
+
+
+def _each_backend(make) -> list:
+    return [
+        pytest.param(name, *case.values, id=case.id, marks=case.marks)
+        for name in backends()
+        for case in make(name)
+    ]
+
+
+def require(backend: str, x: torch.Tensor, n: int, activation: str, training: bool = True) -> None:
+    """Skips with the backend's own reasons when it cannot serve this call."""
+    shape = (math.prod(x.shape[:-1]), n, x.shape[-1])
+    call = Call("fused_linear", x.device, x.dtype, shape, activation, False, training)
+    reasons = backends()[backend].not_supported_reasons(call)
+    if reasons:
+        pytest.skip("; ".join(reasons))
+
+
+def _grads(y, leaves, grad_y) -> list[Optional[torch.Tensor]]:
+    inputs = [t for t in leaves if t is not None and t.requires_grad]
+    found = iter(torch.autograd.grad(y, inputs, grad_y.to(y.dtype)) if inputs else ())
+    return [next(found) if t is not None and t.requires_grad else None for t in leaves]
+
+
+def run(backend: str, x, weight, bias, activation: str, grad_y) -> tuple[torch.Tensor, list]:
+    try:
+        y = fused_linear(x, weight, bias, activation, backend=backend)
+        return y, _grads(y, (x, weight, bias), grad_y)
+    except NotImplementedError as e:  # a backend folder still being written
+        pytest.skip(f"{backend}: {e}")
+
+
+def reference(x, weight, bias, activation: str, grad_y, upcast: bool) -> tuple[torch.Tensor, list]:
+    leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (x, weight, bias)]
+    y = eager_op.reference(*leaves, activation, upcast=upcast)
+    return y, _grads(y, leaves, grad_y)
+
+
+def assert_parity(backend: str, x, weight, bias, activation: str, grad_y) -> None:
+    y, grads = run(backend, x, weight, bias, activation, grad_y)
+    ref, ref_grads = reference(x, weight, bias, activation, grad_y, upcast=True)
+    if backend == "eager":  # plain PyTorch in the same dtype sets the bar for the reference backend itself
+        base, base_grads = reference(x, weight, bias, activation, grad_y, upcast=False)
+    else:
+        base, base_grads = run("eager", x, weight, bias, activation, grad_y)
+    assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], weight.shape[0])
+    check("y", y.detach(), ref.detach(), base.detach())
+    for name, g, r, b, t in zip(NAMES, grads, ref_grads, base_grads, (x, weight, bias)):
+        if t is not None and t.requires_grad:
+            assert g.dtype == t.dtype, f"{name} has dtype {g.dtype}, input has {t.dtype}"
+            check(name, g, r, b)
+
+
+def _inputs(x_shape, n, dtype, device, needs=(True, True, True)):
+    k = x_shape[-1]
+    x = torch.randn(x_shape, device=device).to(dtype).requires_grad_(needs[0])
+    weight = (torch.randn(n, k, device=device) / math.sqrt(k)).to(dtype).requires_grad_(needs[1])
+    bias = None if needs[2] is None else torch.randn(n, device=device).to(dtype).requires_grad_(needs[2])
+    return x, weight, bias
+
+
+@pytest.mark.parametrize("backend, dtype, activation, shape", _each_backend(grid))
+def test_matches_reference(backend, dtype, activation, shape, device):
+    x_shape, n = shape
+    x, weight, bias = _inputs(x_shape, n, dtype, device)
+    require(backend, x, n, activation)
+    grad_y = torch.randn(*x_shape[:-1], n, device=device).to(dtype)
+    assert_parity(backend, x, weight, bias, activation, grad_y)
+
+
+SUBSETS = {  # which inputs require grad: (x, weight, bias); None = no bias
+    "all": (True, True, True),
+    "x-only": (True, False, False),
+    "weight-only": (False, True, False),
+    "bias-only": (False, False, True),
+    "no-bias": (True, True, None),
+    "inference": (False, False, False),
+}
+
+
+def _subset_cases() -> list:
+    """Every subset with identity and gelu; a compiling backend runs gelu only, and on CPU only "all"
+    (the first grid case: no new compile)."""
+    return [
+        pytest.param(b, a, s, marks=cpu_budget(b, a == "gelu" and s == "all"), id=f"{b}-{a}-{s}")
+        for b in backends()
+        for a in ("identity", "gelu")
+        for s in SUBSETS
+        if a == "gelu" or b not in COMPILING
+    ]
+
+
+@pytest.mark.parametrize("backend, activation, subset", _subset_cases())
+def test_gradient_subsets(backend, activation, subset, device):
+    needs = SUBSETS[subset]
+    x, weight, bias = _inputs((3, 5, 24), 17, torch.float32, device, needs)
+    require(backend, x, 17, activation, training=any(needs))
+    assert_parity(backend, x, weight, bias, activation, torch.randn(3, 5, 17, device=device))
+
+
+@pytest.mark.parametrize("activation", ACTIVATION_NAMES)
+def test_gradcheck(activation, device):
+    x = torch.randn(3, 4, dtype=torch.float64, device=device, requires_grad=True)
+    weight = torch.randn(5, 4, dtype=torch.float64, device=device, requires_grad=True)
+    bias = torch.randn(5, dtype=torch.float64, device=device, requires_grad=True)
+
+    def op(x, weight, bias):
+        return fused_linear(x, weight, bias, activation, backend="eager")
+
+    assert torch.autograd.gradcheck(op, (x, weight, bias))

@@ -1,0 +1,127 @@
+"""Hypothesis fuzz of both ops on the eager backend against the float64 reference: random shapes
+(zero-sized dims included), strides (transposed, sliced, expanded), dtypes, activations, p, and which
+inputs need gradients. (Other backends get the registry-driven parity tests: fuzzing them would compile
+a kernel per drawn shape.)"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backends.eager import bias_act_dropout as eager_bad
+from backends.eager import fused_linear as eager_linear
+from dispatch import ACTIVATION_NAMES, fused_bias_act_dropout, fused_linear
+from dispatch import rng as dropout_rng
+from dispatch.tolerances import check
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+LAYOUTS = ("contiguous", "transposed", "sliced", "expanded")
+FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _leaf_and_layout(draw, shape: tuple[int, ...], device: str):
+    """A random leaf tensor and a function viewing it as ``shape`` with the drawn layout."""
+    layout = draw(st.sampled_from(LAYOUTS if len(shape) >= 2 else ("contiguous", "sliced", "expanded")))
+    if layout == "transposed":
+        swapped = (*shape[:-2], shape[-1], shape[-2])
+        return torch.randn(swapped, device=device), lambda t: t.transpose(-1, -2)
+    if layout == "sliced":
+        return torch.randn(*shape[:-1], 2 * shape[-1], device=device), lambda t: t[..., ::2]
+    if layout == "expanded":
+        return torch.randn(1, *shape[1:], device=device), lambda t: t.expand(shape)
+    return torch.randn(shape, device=device), lambda t: t
+
+
+def _grads(y, inputs, grad_y):
+    """Gradients with respect to the op's own (strided) inputs, not the leaves they view: a leaf
+    behind an expanded view would add autograd's low-precision sum over the expanded dimension."""
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    found = iter(torch.autograd.grad(y, wanted, grad_y.to(y.dtype)) if wanted else ())
+    return [next(found) if t is not None and t.requires_grad else None for t in inputs]
+
+
+def _compare(name: str, out, ref, base) -> None:
+    check(name, out.detach(), ref.detach(), None if base is None else base.detach())
+
+
+def _leaves(raw, dtype, needs):
+    """The tested leaves in ``dtype``, their float64 twins, and plain-PyTorch twins in ``dtype``."""
+    tested = [t.to(dtype).requires_grad_(need) for t, need in zip(raw, needs)]
+    exact = [t.detach().double().requires_grad_(need) for t, need in zip(tested, needs)]
+    plain = [t.detach().clone().requires_grad_(need) for t, need in zip(tested, needs)]
+    return tested, exact, plain
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_bias_act_dropout(data, device):
+    draw = data.draw
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=0, max_size=2))) + (draw(st.integers(1, 40)),)
+    dtype, activation = draw(st.sampled_from(DTYPES)), draw(st.sampled_from(ACTIVATION_NAMES))
+    p = draw(st.sampled_from((0.0, 0.1, 0.5, 0.9)) | st.floats(0.0, 0.99))
+    training, with_bias = draw(st.booleans()), draw(st.booleans())
+    needs = (draw(st.booleans()), with_bias and draw(st.booleans()))
+    x_raw, x_view = _leaf_and_layout(draw, shape, device)
+    b_raw = torch.randn(2 * shape[-1], device=device)
+    b_view = (lambda t: t[::2]) if draw(st.booleans()) else (lambda t: t[: shape[-1]])
+    tested, exact, plain = _leaves((x_raw, b_raw), dtype, needs)
+    seed = draw(st.integers(0, 2**31))
+
+    def run(leaves, upcast):
+        """(output, gradients) of the op (upcast None) or of the reference."""
+        x, bias = x_view(leaves[0]), b_view(leaves[1]) if with_bias else None
+        if upcast is None:
+            gen = torch.Generator(device=device).manual_seed(seed)
+            y = fused_bias_act_dropout(x, bias, activation, p, training, generator=gen, backend="eager")
+        else:
+            dropout = training and p > 0
+            rng = (
+                dropout_rng.draw(x.device, torch.Generator(device=device).manual_seed(seed))
+                if dropout
+                else None
+            )
+            y = eager_bad.reference(x, bias, activation, p if dropout else 0.0, rng, upcast=upcast)
+        return y, _grads(y, (x, bias), grad_y)
+
+    grad_y = torch.randn(shape, device=device)
+    (y, grads), (ref, ref_grads), (base, base_grads) = run(tested, None), run(exact, True), run(plain, False)
+    assert y.shape == shape and y.dtype == dtype
+    _compare("y", y, ref, base)
+    for name, g, r, b in zip(("grad_x", "grad_bias"), grads, ref_grads, base_grads):
+        if g is not None:
+            _compare(name, g, r, b)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_fused_linear(data, device):
+    draw = data.draw
+    lead = tuple(draw(st.lists(st.integers(0, 9), min_size=0, max_size=2)))
+    k, n = draw(st.integers(0, 24)), draw(st.integers(0, 24))
+    dtype, activation = draw(st.sampled_from(DTYPES)), draw(st.sampled_from(ACTIVATION_NAMES))
+    with_bias = draw(st.booleans())
+    needs = (draw(st.booleans()), draw(st.booleans()), with_bias and draw(st.booleans()))
+    x_raw, x_view = _leaf_and_layout(draw, (*lead, k), device)
+    w_raw, w_view = _leaf_and_layout(draw, (n, k), device)
+    w_raw = w_raw / math.sqrt(max(k, 1))
+    tested, exact, plain = _leaves((x_raw, w_raw, torch.randn(n, device=device)), dtype, needs)
+
+    def run(leaves, upcast):
+        """(output, gradients) of the op (upcast None) or of the reference."""
+        x, w, bias = x_view(leaves[0]), w_view(leaves[1]), leaves[2] if with_bias else None
+        if upcast is None:
+            y = fused_linear(x, w, bias, activation, backend="eager")
+        else:
+            y = eager_linear.reference(x, w, bias, activation, upcast=upcast)
+        return y, _grads(y, (x, w, bias), grad_y)
+
+    grad_y = torch.randn(*lead, n, device=device)
+    (y, grads), (ref, ref_grads), (base, base_grads) = run(tested, None), run(exact, True), run(plain, False)
+    assert y.shape == (*lead, n) and y.dtype == dtype
+    _compare("y", y, ref, base)
+    for name, g, r, b in zip(("grad_x", "grad_weight", "grad_bias"), grads, ref_grads, base_grads):
+        if g is not None:
+            _compare(name, g, r, b)
