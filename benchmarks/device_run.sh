@@ -6,6 +6,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 R="$OUT/results"
 mkdir -p "$R"
+export DISPATCH_HEURISTICS_DIR="${DISPATCH_HEURISTICS_DIR:-$R}"  # calibrate writes here; later stages use it
 summary=()
 
 stage() {  # stage NAME SECONDS CMD...
