@@ -321,31 +321,15 @@ def losses(rows: list[dict]) -> list[list]:
 
 
 def plot(rows: list[dict], out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     for mode in MODES:
-        fig, axes = plt.subplots(2, 4, figsize=(20, 8), sharex=True)
-        for ax, n in zip(axes.flat, NS):
-            sel = sorted((r for r in rows if r.get("N") == n and r["mode"] == mode and r["dtype"] == "bf16"
-                          and r["act"] == "gelu" and r["p"] == 0.1 and "us:copy" in r), key=lambda r: r["M"])  # fmt: skip
-            names = sorted({k[4:] for r in sel for k in r if k.startswith("gbs:")})
-            for name in names:
-                pts = [(r["M"], r[f"gbs:{name}"]) for r in sel if r.get(f"gbs:{name}")]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=name, linestyle="--" if name == "copy" else "-")
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"N = {n}")
-            ax.set_xlabel("tokens M")
-            ax.set_ylabel("GB/s (minimum bytes)")
-            ax.grid(alpha=0.3)
-        axes.flat[0].legend(fontsize=8)
-        fig.suptitle(f"fused_bias_act_dropout bf16 gelu p=0.1, {mode}")
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, f"bias_act_dropout_{mode}.png"), dpi=80)
-        plt.close(fig)
+        panels = [
+            (f"N = {n}", [r for r in rows if r.get("N") == n and r["mode"] == mode and r["dtype"] == "bf16"
+                          and r["act"] == "gelu" and r["p"] == 0.1 and "us:copy" in r])  # fmt: skip
+            for n in NS
+        ]
+        title = f"fused_bias_act_dropout bf16 gelu p=0.1, {mode}"
+        path = os.path.join(out, f"bias_act_dropout_{mode}.png")
+        common.plot_panels(panels, "gbs", "copy", "GB/s (minimum bytes)", title, path)
 
 
 def main() -> None:

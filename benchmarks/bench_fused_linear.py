@@ -320,31 +320,15 @@ def summary(rows: list[dict]) -> list[list]:
 
 
 def plot(rows: list[dict], out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     for mode in MODES:
-        fig, axes = plt.subplots(2, 4, figsize=(20, 8), sharex=True)
-        for ax, pair in zip(axes.flat, PAIRS):
-            sel = sorted((r for r in rows if r["pair"] == pair and r["mode"] == mode and r["dtype"] == "bf16"
-                          and r["act"] == "gelu_tanh"), key=lambda r: r["M"])  # fmt: skip
-            names = sorted({k[7:] for r in sel for k in r if k.startswith("tflops:")})
-            for name in names:
-                pts = [(r["M"], r[f"tflops:{name}"]) for r in sel if r.get(f"tflops:{name}")]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=name, linestyle="--" if name == "torch.mm" else "-")
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"{pair} (K={PAIRS[pair][0]}, N={PAIRS[pair][1]})")
-            ax.set_xlabel("tokens M")
-            ax.set_ylabel("TFLOP/s")
-            ax.grid(alpha=0.3)
-        axes.flat[0].legend(fontsize=8)
-        fig.suptitle(f"fused_linear bf16 gelu_tanh, {mode}")
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, f"fused_linear_{mode}.png"), dpi=80)
-        plt.close(fig)
+        panels = [
+            (f"{pair} (K={PAIRS[pair][0]}, N={PAIRS[pair][1]})",
+             [r for r in rows if r["pair"] == pair and r["mode"] == mode and r["dtype"] == "bf16"
+              and r["act"] == "gelu_tanh"])  # fmt: skip
+            for pair in PAIRS
+        ]
+        path = os.path.join(out, f"fused_linear_{mode}.png")
+        common.plot_panels(panels, "tflops", "torch.mm", "TFLOP/s", f"fused_linear bf16 gelu_tanh, {mode}", path)
 
 
 def run_grid(args, names: list[str], start: float, stop_at: float) -> list[dict]:

@@ -95,3 +95,32 @@ def have_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def plot_panels(panels: Sequence[tuple[str, list]], metric: str, ceiling: str, ylabel: str, title: str, path: str) -> None:
+    """A 2 x 4 grid of log2(M) plots, one per (panel title, rows), a line per entry whose rows carry a
+    ``<metric>:<entry>`` column; the ``ceiling`` entry is dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8), sharex=True)
+    prefix = metric + ":"
+    for ax, (name, rows) in zip(axes.flat, panels):
+        rows = sorted(rows, key=lambda r: r["M"])
+        entries = sorted({k[len(prefix):] for r in rows for k in r if k.startswith(prefix)})
+        for entry in entries:
+            pts = [(r["M"], r[prefix + entry]) for r in rows if r.get(prefix + entry)]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=entry, linestyle="--" if entry == ceiling else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_title(name)
+        ax.set_xlabel("tokens M")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
