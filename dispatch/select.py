@@ -21,6 +21,7 @@ from dispatch.registry import Backend, Call, backends, get
 PRIORITY = ("triton", "cublaslt", "inductor", "nvfuser", "eager")
 DEFAULT = "eager"
 ENV_VAR = "DISPATCH_BACKEND"
+_ARGUMENT, _CONTEXT = "the backend= argument", "use_backend()"  # the other two sources of a request
 _CACHE_LIMIT = 4096
 
 _requested: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
@@ -60,12 +61,23 @@ def use_backend(name: str) -> Iterator[None]:
         _requested.reset(token)
 
 
+def cached(key: tuple, backend: Optional[str]) -> Optional[Decision]:
+    """The hot path: the cached decision for the call signature ``key``, or None (then ``select``),
+    so that a hit builds no ``make_call`` closure."""
+    if backend is not None:
+        return _cache.get((key, backend, _ARGUMENT))
+    backend = _requested.get()
+    if backend is not None:
+        return _cache.get((key, backend, _CONTEXT))
+    return _cache.get((key, _env_backend, ENV_VAR))
+
+
 def select(key: tuple, make_call: Callable[[], Call], backend: Optional[str]) -> Decision:
-    """The hot path: a cached decision for the call signature ``key``."""
-    source = "the backend= argument"
+    """A cached decision for the call signature ``key``, deciding on a miss."""
+    source = _ARGUMENT
     if backend is None:
         backend = _requested.get()
-        source = "use_backend()"
+        source = _CONTEXT
         if backend is None:
             backend = _env_backend
             source = ENV_VAR
