@@ -153,6 +153,47 @@ class _FusedLinear(torch.autograd.Function):
         return (*grads, None, None)
 
 
+# ----------------------------------------------------------------------------- decide and run
+
+
+def _device_key(x: Tensor) -> object:
+    """The device part of a decision's cache key: an int for CPU (-1) and CUDA (the index), the
+    torch.device otherwise. Ints because building x.device costs more than the rest of a cached call."""
+    return x.get_device() if x.is_cuda or x.is_cpu else x.device
+
+
+def _run_bias_act_dropout(x, x2d, m, n, bias, activation, p, rng, grad, dtype, device, backend) -> Tensor:
+    """Checked arguments -> the cached decision -> the backend; the result in x's shape."""
+    dropout = rng is not None
+    key = ("bias_act_dropout", device, dtype, m, n, activation, dropout, grad)
+    decision = cached(key, backend) or select(
+        key, lambda: Call("bias_act_dropout", x.device, dtype, (m, n), activation, dropout, grad), backend
+    )
+    impl = decision.backend.ops["bias_act_dropout"]
+    if grad:
+        y = _BiasActDropout.apply(x2d, bias, impl, activation, p, rng)
+    else:
+        y = impl.forward(x2d, bias, activation, p, rng)
+    return y if x2d is x else y.view_as(x)  # view_as: view(x.shape) parses a torch.Size, ~2 us
+
+
+def _run_fused_linear(x, x2d, shape, m, n, k, weight, bias, activation, grad, dtype, device, backend) -> Tensor:
+    """Checked arguments -> the cached decision -> the backend; the result shaped (..., N)."""
+    key = ("fused_linear", device, dtype, m, n, k, activation, grad)
+    decision = cached(key, backend) or select(
+        key, lambda: Call("fused_linear", x.device, dtype, (m, n, k), activation, False, grad), backend
+    )
+    impl = decision.backend.ops["fused_linear"]
+    if grad:
+        y = _FusedLinear.apply(x2d, weight, bias, impl, activation)
+    else:
+        y = impl.forward(x2d, weight, bias, activation)[0]
+    if x2d is x:
+        return y
+    # integer arguments: view(*shape[:-1], n) slices a torch.Size first, ~0.7 us more
+    return y.view(shape[0], shape[1], n) if len(shape) == 3 else y.view(*shape[:-1], n)
+
+
 # ----------------------------------------------------------------------------- the ops
 
 
@@ -214,18 +255,7 @@ def fused_bias_act_dropout(
         n = shape[-1]
         m, x2d = (shape[0], x) if len(shape) == 2 else _flatten(x, shape, n)  # (M, N)
         grad = _is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-        key = ("bias_act_dropout", device, dtype, m, n, activation, dropout, grad)
-        decision = cached(key, backend)
-        if decision is None:
-            decision = select(
-                key, lambda: Call("bias_act_dropout", x.device, dtype, (m, n), activation, dropout, grad), backend
-            )
-        impl = decision.backend.ops["bias_act_dropout"]
-        if grad:
-            y = _BiasActDropout.apply(x2d, bias, impl, activation, p, rng)
-        else:
-            y = impl.forward(x2d, bias, activation, p, rng)
-        return y if x2d is x else y.view_as(x)
+        return _run_bias_act_dropout(x, x2d, m, n, bias, activation, p, rng, grad, dtype, device, backend)
 
     x, bias, activation, p, dropout = _bias_act_dropout_args(x, bias, activation, p, training, generator)
     _check_backend(backend)
@@ -238,14 +268,8 @@ def fused_bias_act_dropout(
 
         return library.bias_act_dropout(x2d, bias, activation, p, rng, backend or "", _needs_grad(x, bias)).view(x.shape)
     grad = _needs_grad(x, bias)
-    key = ("bias_act_dropout", x.device, x.dtype, x2d.shape[0], n, activation, dropout, grad)
-    decision = select(key, lambda: Call("bias_act_dropout", x.device, x.dtype, tuple(x2d.shape), activation, dropout, grad), backend)
-    impl = decision.backend.ops["bias_act_dropout"]
-    if grad:
-        y = _BiasActDropout.apply(x2d, bias, impl, activation, p, rng)
-    else:
-        y = impl.forward(x2d, bias, activation, p, rng)
-    return y if x2d is x else y.view_as(x)  # view_as: view(x.shape) parses a torch.Size, ~2 us
+    m = x2d.shape[0]
+    return _run_bias_act_dropout(x, x2d, m, n, bias, activation, p, rng, grad, x.dtype, _device_key(x), backend)
 
 
 def fused_linear(
@@ -299,19 +323,7 @@ def fused_linear(
         grad = _is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
-        key = ("fused_linear", device, dtype, m, n, k, activation, grad)
-        decision = cached(key, backend)
-        if decision is None:
-            decision = select(key, lambda: Call("fused_linear", x.device, dtype, (m, n, k), activation, False, grad), backend)
-        impl = decision.backend.ops["fused_linear"]
-        if grad:
-            y = _FusedLinear.apply(x2d, weight, bias, impl, activation)
-        else:
-            y = impl.forward(x2d, weight, bias, activation)[0]
-        if x2d is x:
-            return y
-        # integer arguments: view(*shape[:-1], n) slices a torch.Size first, ~0.7 us more
-        return y.view(shape[0], shape[1], n) if len(shape) == 3 else y.view(*shape[:-1], n)
+        return _run_fused_linear(x, x2d, shape, m, n, k, weight, bias, activation, grad, dtype, device, backend)
 
     x, weight, bias, activation = _fused_linear_args(x, weight, bias, activation)
     _check_backend(backend)
@@ -323,14 +335,8 @@ def fused_linear(
         from dispatch import library
 
         return library.fused_linear(x2d, weight, bias, activation, backend or "", grad).view(*x.shape[:-1], n)
-    key = ("fused_linear", x.device, x.dtype, x2d.shape[0], n, k, activation, grad)
-    decision = select(key, lambda: Call("fused_linear", x.device, x.dtype, (x2d.shape[0], n, k), activation, False, grad), backend)
-    impl = decision.backend.ops["fused_linear"]
-    if grad:
-        y = _FusedLinear.apply(x2d, weight, bias, impl, activation)
-    else:
-        y = impl.forward(x2d, weight, bias, activation)[0]
-    return y if x2d is x else y.view(*x.shape[:-1], n)
+    shape = x.shape
+    return _run_fused_linear(x, x2d, shape, x2d.shape[0], n, k, weight, bias, activation, grad, x.dtype, _device_key(x), backend)
 
 
 def explain(op_name: str, *args: Any, **kwargs: Any) -> Decision:
