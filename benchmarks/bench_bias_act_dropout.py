@@ -90,7 +90,8 @@ def _compiled(activation: str, p: float) -> Callable:
     fn = torch.compile(lambda x, b, rng: reference(x, b, activation, p, rng), dynamic=True)
 
     def run(x, b, gen=None):
-        return fn(x, b, dropout_rng.draw(x.device, gen) if p > 0 else None)
+        # the op's draw (host integers on CUDA) as a tensor: an int argument would recompile per call
+        return fn(x, b, dropout_rng.as_tensor(dropout_rng.draw_for(x, gen), x.device) if p > 0 else None)
 
     return run
 
@@ -100,7 +101,7 @@ def _direct(activation: str, p: float, x) -> Callable:
     from backends.triton import bias_act_dropout as op
     from dispatch import rng as dropout_rng
 
-    rng = dropout_rng.draw(x.device) if p > 0 else None
+    rng = dropout_rng.draw_for(x) if p > 0 else None
 
     def run(x, b, gen=None):
         return op.forward(x.detach(), b.detach(), activation, p, rng)

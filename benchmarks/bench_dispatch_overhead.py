@@ -157,7 +157,7 @@ def _chosen_cases(device: torch.device) -> list[Case]:
     name_lin_train, lin_train = chosen("fused_linear", xk_grad, w_grad, bias, "gelu")
 
     def dropout_direct():
-        return _BiasActDropout.apply(x_grad, bias, bad_train, "gelu", 0.1, dropout_rng.draw(device))
+        return _BiasActDropout.apply(x_grad, bias, bad_train, "gelu", 0.1, dropout_rng.draw_for(x_grad))
 
     return [
         (

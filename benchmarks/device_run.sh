@@ -30,6 +30,10 @@ for arg in "$@"; do
     gputests) stage gputests "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=10 ${GPU_K:+-k "$GPU_K"} ${GPU_TESTS:-tests} ;;
     gputests2) stage gputests2 "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=10 ${GPU_K2:+-k "$GPU_K2"} ${GPU_TESTS2:-tests} ;;
     cputests) stage cputests "$limit" python3 -m pytest -q -p no:cacheprovider -x tests ;;
+    alltests) stage alltests "$limit" python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests ;;
+    fwd_variants) stage fwd_variants "$limit" python3 benchmarks/probes/fwd_variants.py ;;
+    nvfuser_probe) stage nvfuser_probe "$limit" python3 benchmarks/probes/probe_nvfuser_dropout.py ;;
+    bench_overhead_quick) stage bench_overhead_quick "$limit" env DISPATCH_HEURISTICS_DIR="$(mktemp -d)" python3 benchmarks/bench_dispatch_overhead.py --quick --out "$R" ;;
     bench_bad) stage bench_bad "$limit" python3 benchmarks/bench_bias_act_dropout.py --out "$R" ;;
     bench_bad_quick) stage bench_bad_quick "$limit" python3 benchmarks/bench_bias_act_dropout.py --quick --out "$R" ;;
     bench_linear) stage bench_linear "$limit" python3 benchmarks/bench_fused_linear.py --out "$R" ;;

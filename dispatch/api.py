@@ -123,12 +123,18 @@ class _BiasActDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, bias, impl, activation, p, rng):  # type: ignore[override]
         ctx.impl, ctx.activation, ctx.p = impl, activation, p
-        ctx.save_for_backward(x, bias, rng)
+        if isinstance(rng, Tensor) or rng is None:
+            ctx.save_for_backward(x, bias, rng)
+            ctx.rng = None
+        else:  # HostRng: plain integers
+            ctx.save_for_backward(x, bias)
+            ctx.rng = rng
         return impl.forward(x, bias, activation, p, rng)
 
     @staticmethod
     def backward(ctx: Any, grad_y):  # type: ignore[override]
-        x, bias, rng = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x, bias, rng = saved[0], saved[1], saved[2] if len(saved) == 3 else ctx.rng
         need_x, need_bias = ctx.needs_input_grad[:2]
         grad_x, grad_bias = ctx.impl.backward(
             grad_y, x, bias, ctx.activation, ctx.p, rng, need_x, need_bias
@@ -250,7 +256,7 @@ def fused_bias_act_dropout(
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
         dropout = training and p > 0
-        rng = dropout_rng.draw(x.device) if dropout else None
+        rng = dropout_rng.draw_for(x) if dropout else None
         p = p if dropout else 0.0
         n = shape[-1]
         m, x2d = (shape[0], x) if len(shape) == 2 else _flatten(x, shape, n)  # (M, N)
@@ -260,13 +266,15 @@ def fused_bias_act_dropout(
     x, bias, activation, p, dropout = _bias_act_dropout_args(x, bias, activation, p, training, generator)
     _check_backend(backend)
     n = x.shape[-1]
-    rng = dropout_rng.draw(x.device, generator) if dropout else None
     p = p if dropout else 0.0
     x2d = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), n)  # (M, N), a view if strides allow
     if torch.compiler.is_compiling():
         from dispatch import library
 
+        rng = dropout_rng.draw(x.device, generator) if dropout else None  # a traced op: a tensor
+
         return library.bias_act_dropout(x2d, bias, activation, p, rng, backend or "", _needs_grad(x, bias)).view(x.shape)
+    rng = dropout_rng.draw_for(x, generator) if dropout else None
     grad = _needs_grad(x, bias)
     m = x2d.shape[0]
     return _run_bias_act_dropout(x, x2d, m, n, bias, activation, p, rng, grad, x.dtype, _device_key(x), backend)

@@ -112,7 +112,7 @@ def reference(case: Case, inp: Inputs) -> list[Tensor]:
         if case.op == "bias_act_dropout":
             x, b = leaves
             gen = _generator(case, inp.seed)
-            rng = dropout_rng.draw(case.device, gen) if gen is not None else None
+            rng = dropout_rng.draw_for(x, gen) if gen is not None else None  # as the op draws
             y = ref_bad.reference(x, b, case.activation, case.p, rng, upcast=True)
         else:
             x, w, b = leaves

@@ -14,15 +14,17 @@ from typing import Callable, Mapping, Optional, Protocol
 import torch
 from torch import Tensor
 
+from dispatch.rng import Rng
+
 OPS = ("bias_act_dropout", "fused_linear")
 
 
 class BiasActDropoutImpl(Protocol):
-    """x is (M, N) with any strides, bias (N,) contiguous or None; rng is ``dispatch.rng``'s [seed, offset]
-    or None (no dropout, p == 0). forward returns a new contiguous (M, N) tensor of x's dtype."""
+    """x is (M, N) with any strides, bias (N,) contiguous or None; rng is ``dispatch.rng``'s (seed, offset),
+    an int64 tensor or a ``HostRng``, or None (no dropout, p == 0). forward returns a new contiguous (M, N) tensor of x's dtype."""
 
     def forward(
-        self, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Tensor]
+        self, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng]
     ) -> Tensor: ...
 
     def backward(
@@ -32,7 +34,7 @@ class BiasActDropoutImpl(Protocol):
         bias: Optional[Tensor],
         activation: str,
         p: float,
-        rng: Optional[Tensor],
+        rng: Optional[Rng],
         need_x: bool,
         need_bias: bool,
     ) -> tuple[Optional[Tensor], Optional[Tensor]]: ...

@@ -6,9 +6,16 @@ Spec (version 1):
   FlashAttention's Triton dropout uses the same count). Round constants as in Random123 and
   ``triton.language.random``: multipliers 0xD2511F53 / 0xCD9E8D57, key bumps 0x9E3779B9 / 0xBB67AE85.
 * Key: a 64-bit seed, low word in k0, high word in k1.
-* Per call, one draw from torch's generator for x's device (or ``generator=``) fills a 2-element int64
-  tensor ``rng = [seed, offset]`` on x's device (``torch.randint``: no host-device synchronization, and
-  CUDA-graph safe, since the draw itself is a captured kernel). Both lie in [0, 2**62).
+* Per call, ``(seed, offset)`` comes from torch's generator for x's device (or ``generator=``) without
+  a host-device synchronization, in one of two forms (``draw_for``):
+  - on CUDA outside graph capture, ``HostRng(seed, offset)``: host integers read from the CUDA
+    generator, whose state lives on the host: seed = its 64-bit ``initial_seed()``, offset = its Philox
+    offset, which the call then advances past the counters it uses (``advance``). No kernel runs for
+    the draw, and ``torch.manual_seed`` replays the same masks;
+  - otherwise (CPU, CUDA graph capture, ``torch.compile`` graphs) a 2-element int64 tensor
+    ``[seed, offset]`` on x's device, drawn by ``torch.randint`` from the generator, both in
+    [0, 2**62): under capture the draw is itself a captured kernel, so every replay gets fresh values.
+  The two forms never mix within one call: backward reuses the forward's object.
 * Counter: element ``e`` of the logical (M, N) row-major view (``e = row * N + col``, whatever the
   strides) belongs to group ``g = e // 8``; the group's Philox call uses the 64-bit counter
   ``c = offset + g``, low word in c0, high word in c1, c2 = c3 = 0. This is exactly
@@ -28,6 +35,8 @@ overflows), so it runs on any device and inside traced graphs.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Union
 
 import torch
 from torch import Tensor
@@ -53,11 +62,49 @@ def keep_scale(p: float) -> float:
     return 65536.0 / (65536 - threshold(p))
 
 
+class HostRng(NamedTuple):
+    """One call's Philox key and first counter as host integers (CUDA outside graph capture)."""
+
+    seed: int  # [0, 2**64)
+    offset: int  # [0, 2**63)
+
+
+Rng = Union[Tensor, HostRng]
+
+
 def draw(device: torch.device, generator: torch.Generator | None = None) -> Tensor:
-    """One call's ``[seed, offset]`` pair, drawn on ``device`` without a host synchronization."""
+    """One call's ``[seed, offset]`` pair as an int64 tensor on ``device``, drawn by a kernel from
+    the generator (no host synchronization; captured like any kernel under CUDA graphs)."""
     return torch.randint(
         0, _SEED_RANGE, (2,), dtype=torch.int64, device=device, generator=generator
     )
+
+
+def advance(numel: int) -> int:
+    """How far one call over ``numel`` elements moves the generator's offset: its Philox counters,
+    rounded up to a multiple of 4 (torch's own CUDA ops move it in steps of 4)."""
+    return (-(-numel // GROUP) + 3) & ~3
+
+
+def draw_for(x: Tensor, generator: torch.Generator | None = None) -> Rng:
+    """The rng of one call on ``x``: ``HostRng`` read from the CUDA generator (advanced past the
+    call's counters) on CUDA outside graph capture, else ``draw``'s tensor."""
+    if x.is_cuda and not torch.cuda.is_current_stream_capturing():
+        gen = generator if generator is not None else torch.cuda.default_generators[x.get_device()]
+        if gen.device.type == "cuda":
+            offset = gen.get_offset()
+            gen.set_offset(offset + advance(x.numel()))
+            return HostRng(gen.initial_seed(), offset)
+    return draw(x.device, generator)
+
+
+def as_tensor(rng: Rng, device: torch.device) -> Tensor:
+    """``rng`` as the int64 ``[seed, offset]`` tensor (a seed >= 2**63 wraps to its signed value:
+    the spec only reads its two 32-bit words)."""
+    if isinstance(rng, Tensor):
+        return rng
+    seed = rng.seed - 2**64 if rng.seed >= 2**63 else rng.seed
+    return torch.tensor([seed, rng.offset], dtype=torch.int64, device=device)
 
 
 def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -69,8 +116,9 @@ def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
     return hi, lo
 
 
-def philox(seed: Tensor, counter: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Philox4x32-7 of the 64-bit ``counter`` (int64 tensor) under the 64-bit ``seed`` (0-d int64)."""
+def philox(seed: Tensor | int, counter: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox4x32-7 of the 64-bit ``counter`` (int64 tensor) under the 64-bit ``seed`` (0-d int64
+    tensor or int)."""
     k0 = seed & _U32
     k1 = (seed >> 32) & _U32
     c0 = counter & _U32
@@ -86,15 +134,20 @@ def philox(seed: Tensor, counter: Tensor) -> tuple[Tensor, Tensor, Tensor, Tenso
     return c0, c1, c2, c3
 
 
-def uniform16(rng: Tensor, numel: int) -> Tensor:
-    """The 16-bit values u_e (int64) for flat indices 0..numel-1 of one call."""
+def uniform16(rng: Rng, numel: int, device: torch.device | None = None) -> Tensor:
+    """The 16-bit values u_e (int64) for flat indices 0..numel-1 of one call (on rng's device, or
+    ``device`` for a ``HostRng``)."""
     groups = -(-numel // GROUP)
-    counter = rng[1] + torch.arange(groups, dtype=torch.int64, device=rng.device)
-    r = philox(rng[0], counter)
+    if isinstance(rng, HostRng):
+        seed, offset = rng.seed, rng.offset
+    else:
+        seed, offset, device = rng[0], rng[1], rng.device
+    counter = offset + torch.arange(groups, dtype=torch.int64, device=device)
+    r = philox(seed, counter)
     u = torch.stack([w & _U16 for w in r] + [(w >> 16) & _U16 for w in r], dim=1)  # (groups, 8)
     return u.reshape(-1)[:numel]
 
 
-def keep_mask(rng: Tensor, m: int, n: int, p: float) -> Tensor:
-    """The (m, n) boolean keep mask of one call with drop probability p."""
-    return (uniform16(rng, m * n) >= threshold(p)).view(m, n)
+def keep_mask(rng: Rng, m: int, n: int, p: float, device: torch.device | None = None) -> Tensor:
+    """The (m, n) boolean keep mask of one call with drop probability p (``device`` as in uniform16)."""
+    return (uniform16(rng, m * n, device) >= threshold(p)).view(m, n)

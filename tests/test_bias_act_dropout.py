@@ -118,7 +118,7 @@ def reference(
     """The reference's output and gradients for the same mask as ``run``."""
     rng = None
     if p > 0:
-        rng = dropout_rng.draw(x.device, torch.Generator(device=x.device).manual_seed(GEN_SEED))
+        rng = dropout_rng.draw_for(x, torch.Generator(device=x.device).manual_seed(GEN_SEED))  # as the op draws
     leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (x, bias)]
     y = eager_op.reference(leaves[0], leaves[1], activation, p, rng, upcast=upcast)
     inputs = [t for t in leaves if t is not None and t.requires_grad]

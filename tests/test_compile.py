@@ -53,12 +53,19 @@ def test_compiled_mlp_matches_eager(device):
 
 
 def test_compiled_mlp_with_dropout_matches_eager(device):
-    """With fallback_random, inductor draws ``rng`` with the same aten randint as eager mode, so the
-    seed and offset, hence the mask, are the same; the mask itself is computed inside the custom op by
-    the chosen backend, never by inductor's own RNG."""
+    """A compiled graph draws ``rng`` with aten randint (dispatch/rng.py); the mask itself is computed
+    inside the custom op by the chosen backend, never by inductor's own RNG. On CPU eager mode draws
+    with the same randint, so with fallback_random the masks, hence outputs and gradients, are equal.
+    On CUDA eager mode reads the generator's state on the host instead (no kernel for the draw): there
+    the compiled model must be reproducible under a seed, and each seed must give another mask."""
     x = torch.randn(2, 5, 16, device=device, requires_grad=True)
     with torch._inductor.config.patch(fallback_random=True):
-        compiled = _compare(MLP(p=0.3).to(device), x)
+        if x.is_cuda:
+            compiled = torch.compile(MLP(p=0.3).to(device), fullgraph=True)
+            again = _run(compiled, x, seed=1234)
+            torch.testing.assert_close(again[0], _run(compiled, x, seed=1234)[0], rtol=0, atol=0)
+        else:
+            compiled = _compare(MLP(p=0.3).to(device), x)
         y_1234, _ = _run(compiled, x, seed=1234)
         y_99, _ = _run(compiled, x, seed=99)
     assert not torch.equal(y_1234, y_99), "the compiled model ignored dropout"

@@ -65,7 +65,7 @@ def _bias_act_dropout_case(backend, shape, dtype, activation, p, device, bias=Tr
         xs, bs = _leaf(x), None if b is None else _leaf(b)
         y = fused_bias_act_dropout(xs, bs, activation, p, generator=_generator(device), backend=name)
         results[name] = (y, _grads(y, (xs, bs), grad_y))
-    rng = dropout_rng.draw(torch.device(device), _generator(device)) if p > 0 else None
+    rng = dropout_rng.draw_for(x, _generator(device)) if p > 0 else None  # the ops' draw
     x64, b64 = _leaf(x, torch.float64), None if b is None else _leaf(b, torch.float64)
     ref = eager_bad.reference(x64, b64, activation, p, rng, upcast=True)
     ref_grads = _grads(ref, (x64, b64), grad_y.double())
@@ -111,9 +111,9 @@ def _dropout_masks(backend, shape, dtype, p, device):
         y = fused_bias_act_dropout(xs, None, "identity", p, generator=_generator(device), backend=name)
         (grad_x,) = _grads(y, (xs,), grad_y)
         out[name] = (y, grad_x)
-    rng = dropout_rng.draw(torch.device(device), _generator(device))
+    rng = dropout_rng.draw_for(x, _generator(device))
     m = x.numel() // shape[-1]
-    keep = dropout_rng.keep_mask(rng, m, shape[-1], p).view(shape)
+    keep = dropout_rng.keep_mask(rng, m, shape[-1], p, x.device).view(shape)
     (y, gx), (ey, egx) = out[backend], out["eager"]
     return y != 0, gx != 0, keep, y, ey, gx, egx
 

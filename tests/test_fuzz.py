@@ -79,7 +79,7 @@ def test_fuzz_bias_act_dropout(data, device):
         else:
             dropout = training and p > 0
             rng = (
-                dropout_rng.draw(x.device, torch.Generator(device=device).manual_seed(seed))
+                dropout_rng.draw_for(x, torch.Generator(device=device).manual_seed(seed))
                 if dropout
                 else None
             )

@@ -238,3 +238,44 @@ def test_no_draw_without_dropout(use_generator, device):
     torch.testing.assert_close(y2, torch.nn.functional.gelu(x))
     fused_bias_act_dropout(x, None, "gelu", 0.5, generator=gen)  # the check above can fail
     assert not torch.equal(_rng_state(device, gen), before)
+
+
+# ----------------------------------------------------------------------------- the two forms of a draw
+
+
+@pytest.mark.parametrize("seed", (0x0123456789ABCDEF, 2**64 - 1, 2**63, 3))
+@pytest.mark.parametrize("offset", (0, 2**32 - 1, 2**40 + 5))
+def test_host_rng_masks_equal_the_tensor_form(seed, offset):
+    """HostRng's integers and as_tensor's int64 pair (a seed >= 2**63 wraps to negative) key the same
+    Philox stream, counters crossing a 32-bit boundary included."""
+    host = dropout_rng.HostRng(seed, offset)
+    tensor = dropout_rng.as_tensor(host, torch.device("cpu"))
+    assert tensor.dtype == torch.int64
+    mask = dropout_rng.keep_mask(host, 9, 40, 0.5, torch.device("cpu"))
+    assert torch.equal(mask, dropout_rng.keep_mask(tensor, 9, 40, 0.5))
+    words = dropout_rng.philox(seed, torch.tensor([offset]))
+    expected = _philox_python((offset & MASK32, offset >> 32, 0, 0), (seed & MASK32, seed >> 32), 7)
+    assert [int(w) for w in words] == list(expected)
+
+
+@pytest.mark.parametrize("numel", (1, 8, 9, 33, 10**6 + 1))
+def test_advance_covers_the_counters_in_steps_of_4(numel):
+    step = dropout_rng.advance(numel)
+    assert step % 4 == 0 and -(-numel // 8) <= step < -(-numel // 8) + 4
+
+
+def test_draw_for_forms_and_seeding(device):
+    """CUDA outside capture: HostRng from the generator's (seed, offset), the offset moved past the call's
+    counters; CPU: draw's tensor. Either way, re-seeding replays the same draws."""
+    x = torch.empty(3, 1001, device=device)
+    gen = torch.Generator(device=device).manual_seed(5)
+    first, second = dropout_rng.draw_for(x, gen), dropout_rng.draw_for(x, gen)
+    if x.is_cuda:
+        assert first == dropout_rng.HostRng(5, 0)
+        assert second == dropout_rng.HostRng(5, dropout_rng.advance(x.numel()))
+    else:
+        assert isinstance(first, torch.Tensor) and first.shape == (2,)
+        assert not torch.equal(first, second)
+    gen.manual_seed(5)
+    again = dropout_rng.draw_for(x, gen)
+    assert again == first if x.is_cuda else torch.equal(again, first)

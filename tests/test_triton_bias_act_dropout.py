@@ -45,7 +45,7 @@ def _grads(y, leaves, grad_y) -> list[Optional[torch.Tensor]]:
 
 
 def _reference(x, bias, activation, p, seed, grad_y, needs, upcast):
-    rng = _rng(x.device, seed) if p > 0 else None
+    rng = dropout_rng.draw_for(x, torch.Generator(device=x.device).manual_seed(seed)) if p > 0 else None
     leaves = _leaves(x, bias, needs)
     y = eager_op.reference(leaves[0], leaves[1], activation, p, rng, upcast=upcast)
     return y.detach(), _grads(y, leaves, grad_y.to(y.dtype))
@@ -214,12 +214,29 @@ def test_gradients_bitwise_deterministic(shape, device):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def test_decode_backward_is_one_launch(device, monkeypatch):
-    class Forbidden:
-        def __getitem__(self, grid):
-            raise AssertionError("decode shapes must not launch the partial-sum reduction")
+@pytest.mark.parametrize("shape", [(33, 40), (600, 13)], ids=str)
+@pytest.mark.parametrize("seed, offset", [(0x0123456789ABCDEF, 5), (2**64 - 3, 2**32 + 7), (7, 2**62 + 3)])
+def test_host_rng_equals_its_tensor_form(shape, seed, offset, device):
+    """A HostRng (CUDA's form outside graph capture) reaches the kernels as four int32 words: masks and
+    gradients equal those of the same (seed, offset) as a tensor, and eager's, with high bits set."""
+    x, bias, grad_y = _inputs(shape, torch.float32, device)
+    host = dropout_rng.HostRng(seed, offset)
+    tensor = dropout_rng.as_tensor(host, x.device)
+    y = triton_op.forward(x, bias, "identity", 0.3, host)
+    assert torch.equal(y, triton_op.forward(x, bias, "identity", 0.3, tensor))
+    assert torch.equal(y, eager_op.forward(x, bias, "identity", 0.3, host))
+    for a, b in zip(
+        triton_op.backward(grad_y, x, bias, "gelu", 0.3, host, True, True),
+        triton_op.backward(grad_y, x, bias, "gelu", 0.3, tensor, True, True),
+    ):
+        assert torch.equal(a, b)
 
-    monkeypatch.setattr(triton_op, "_bias_grad_kernel", Forbidden())
+
+def test_decode_backward_is_one_launch(device, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("decode shapes must not launch the partial-sum reduction")
+
+    monkeypatch.setattr(triton_op, "_BIAS_GRAD", forbidden)
     x, bias, grad_y = _inputs((64, 40), torch.float32, device)
     gx, gb = triton_op.backward(grad_y, x, bias, "relu", 0.1, _rng(device), True, True)
     assert gx is not None and gb is not None

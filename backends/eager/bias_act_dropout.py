@@ -12,7 +12,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+
 from dispatch import rng as dropout_rng
+from dispatch.rng import Rng
 from dispatch.activations import ACTIVATIONS
 
 
@@ -27,10 +29,10 @@ def _pre_activation(x: Tensor, bias: Optional[Tensor], dtype: torch.dtype) -> Te
     return z
 
 
-def _mask_scale(y: Tensor, p: float, rng: Optional[Tensor]) -> Tensor:
+def _mask_scale(y: Tensor, p: float, rng: Optional[Rng]) -> Tensor:
     if rng is None:
         return y
-    keep = dropout_rng.keep_mask(rng, y.shape[0], y.shape[1], p)
+    keep = dropout_rng.keep_mask(rng, y.shape[0], y.shape[1], p, y.device)
     return torch.where(keep, y * dropout_rng.keep_scale(p), 0.0)
 
 
@@ -39,7 +41,7 @@ def reference(
     bias: Optional[Tensor],
     activation: str,
     p: float = 0.0,
-    rng: Optional[Tensor] = None,
+    rng: Optional[Rng] = None,
     upcast: bool = False,
 ) -> Tensor:
     """Differentiable reference on (..., N) inputs; float64 when ``upcast``, else x's dtype."""
@@ -50,13 +52,13 @@ def reference(
         z = z + bias.to(dtype)
     y = ACTIVATIONS[activation].forward(z)
     if rng is not None:
-        keep = dropout_rng.keep_mask(rng, z.shape[0], n, p)
+        keep = dropout_rng.keep_mask(rng, z.shape[0], n, p, z.device)
         y = torch.where(keep, y * dropout_rng.keep_scale(p), 0.0)
     return y.reshape(x.shape)
 
 
 def forward(
-    x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Tensor]
+    x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng]
 ) -> Tensor:
     z = _pre_activation(x, bias, _compute_dtype(x.dtype))
     return _mask_scale(ACTIVATIONS[activation].forward(z), p, rng).to(x.dtype)
@@ -68,7 +70,7 @@ def backward(
     bias: Optional[Tensor],
     activation: str,
     p: float,
-    rng: Optional[Tensor],
+    rng: Optional[Rng],
     need_x: bool,
     need_bias: bool,
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:

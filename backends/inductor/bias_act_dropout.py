@@ -15,12 +15,19 @@ from torch import Tensor
 
 from backends.eager import bias_act_dropout as eager
 from backends.inductor.compiler import run
+from dispatch import rng as dropout_rng
+from dispatch.rng import Rng
+
+
+def _traced(rng: Optional[Rng], x: Tensor) -> Optional[Tensor]:
+    """Host integers would be baked into the graph as constants (a recompile per call): a tensor."""
+    return None if rng is None else dropout_rng.as_tensor(rng, x.device)
 
 
 def forward(
-    x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Tensor]
+    x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng]
 ) -> Tensor:
-    return run(eager.forward, (x, bias, activation, p, rng), rows=(0,))
+    return run(eager.forward, (x, bias, activation, p, _traced(rng, x)), rows=(0,))
 
 
 def backward(
@@ -29,12 +36,12 @@ def backward(
     bias: Optional[Tensor],
     activation: str,
     p: float,
-    rng: Optional[Tensor],
+    rng: Optional[Rng],
     need_x: bool,
     need_bias: bool,
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:
     need_bias = need_bias and bias is not None
     if not (need_x or need_bias):
         return None, None
-    args = (grad_y, x, bias, activation, p, rng, need_x, need_bias)
+    args = (grad_y, x, bias, activation, p, _traced(rng, x), need_x, need_bias)
     return run(eager.backward, args, rows=(0, 1))

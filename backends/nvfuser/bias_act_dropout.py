@@ -15,8 +15,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+
 from backends.nvfuser.compiler import run, signature
 from dispatch import rng as dropout_rng
+from dispatch.rng import Rng
 from dispatch.activations import ACTIVATIONS
 
 
@@ -29,12 +31,12 @@ def _pre_activation(x: Tensor, bias: Optional[Tensor]) -> Tensor:
     return z if bias is None else z + bias.to(z.dtype)
 
 
-def _keep(x: Tensor, p: float, rng: Optional[Tensor]) -> Optional[Tensor]:
-    return None if rng is None else dropout_rng.keep_mask(rng, x.shape[0], x.shape[1], p)
+def _keep(x: Tensor, p: float, rng: Optional[Rng]) -> Optional[Tensor]:
+    return None if rng is None else dropout_rng.keep_mask(rng, x.shape[0], x.shape[1], p, x.device)
 
 
 def forward(
-    x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Tensor]
+    x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng]
 ) -> Tensor:
     keep = _keep(x, p, rng)
     scale = dropout_rng.keep_scale(p)
@@ -56,7 +58,7 @@ def backward(
     bias: Optional[Tensor],
     activation: str,
     p: float,
-    rng: Optional[Tensor],
+    rng: Optional[Rng],
     need_x: bool,
     need_bias: bool,
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:

@@ -16,8 +16,11 @@ import torch
 import triton
 from torch import Tensor
 
+
 from backends.triton.bias_act_dropout_kernels import _backward_kernel, _bias_grad_kernel, _forward_kernel
+from backends.triton.launch import Launcher
 from dispatch import rng as dropout_rng
+from dispatch.rng import Rng
 
 # Forward: 4 x 1024 bf16 tiles (32 elements a thread, 4 warps) ran bias+gelu at 1.03x a copy's time on
 # H200 (issue 3 feasibility kernel). float32 takes 16 a thread, the same 64 bytes: at 32 the dropout
@@ -45,6 +48,9 @@ DECODE_TILE = 4096
 MAX_ROWS_PER_PROGRAM = 64
 MIN_PROGRAMS_PER_SM = 4
 _INT32_LIMIT = 2**31
+_FORWARD = Launcher(_forward_kernel)
+_BACKWARD = Launcher(_backward_kernel)
+_BIAS_GRAD = Launcher(_bias_grad_kernel)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -113,48 +119,57 @@ def _check(x: Tensor, bias: Optional[Tensor]) -> None:
         raise ValueError(f"x must be a 2-D (M, N) tensor, got shape {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
         raise ValueError(f"x must be float16, bfloat16 or float32 for triton, got {x.dtype}")
-    if bias is not None and (bias.shape != (x.shape[1],) or bias.dtype != x.dtype or bias.device != x.device):
+    if bias is not None and (
+        bias.shape != (x.shape[1],)
+        or bias.dtype != x.dtype
+        or bias.is_cuda != x.is_cuda
+        or bias.get_device() != x.get_device()  # ints: x.device would build a torch.device, ~1 us
+    ):
         raise ValueError(
             f"bias must be a ({x.shape[1]},) {x.dtype} tensor on {x.device}, got "
             f"{tuple(bias.shape)} {bias.dtype} on {bias.device}"
         )
 
 
-def _dropout_args(p: float, rng: Optional[Tensor]) -> tuple[int, float]:
+def _word(v: int) -> int:
+    """The low 32 bits of v as a signed int32 (Triton then types the argument i32 whatever v is)."""
+    return ((v & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
+
+
+def _dropout_args(x: Tensor, p: float, rng: Optional[Rng]) -> tuple[tuple, bool]:
+    """(RNG, seed_lo, seed_hi, offset_lo, offset_hi, threshold, scale) and RNG_ON_DEVICE."""
     if rng is None:
-        return 0, 1.0
-    return dropout_rng.threshold(p), dropout_rng.keep_scale(p)
+        return (x, 0, 0, 0, 0, 0, 1.0), False
+    threshold, scale = dropout_rng.threshold(p), dropout_rng.keep_scale(p)
+    if isinstance(rng, Tensor):
+        return (rng, 0, 0, 0, 0, threshold, scale), True
+    seed, offset = rng
+    return (x, _word(seed), _word(seed >> 32), _word(offset), _word(offset >> 32), threshold, scale), False
 
 
-def forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Tensor]) -> Tensor:
+def forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng]) -> Tensor:
     """y = dropout(act(x + bias)) in one pass; x (M, N) with any strides, y contiguous in x's dtype."""
     _check(x, bias)
     m, n = x.shape
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if y.numel() == 0:
+    y = x.new_empty((m, n))  # contiguous; new_empty builds no torch.device
+    if m == 0 or n == 0:
         return y
     cfg = config(m, n, x.element_size(), dropout=rng is not None)
-    threshold, scale = _dropout_args(p, rng)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    _forward_kernel[grid](
-        x,
-        x if bias is None else bias,
-        y,
-        x if rng is None else rng,
-        m,
-        n,
-        x.stride(0),
-        x.stride(1),
-        threshold,
-        scale,
-        ACTIVATION=activation,
-        HAS_BIAS=bias is not None,
-        DROPOUT=rng is not None,
-        GROUPED=n % 8 == 0,
-        WIDE=_wide(n, x.stride(1)),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
+    (rng_t, s0, s1, o0, o1, threshold, scale), on_device = _dropout_args(x, p, rng)
+    _FORWARD(
+        (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)),
+        (x, x if bias is None else bias, y, rng_t, s0, s1, o0, o1, m, n, x.stride(0), x.stride(1), threshold, scale),
+        (
+            activation,  # ACTIVATION
+            bias is not None,  # HAS_BIAS
+            rng is not None,  # DROPOUT
+            on_device,  # RNG_ON_DEVICE
+            n % 8 == 0,  # GROUPED
+            _wide(n, x.stride(1)),  # WIDE
+            cfg.block_m,
+            cfg.block_n,
+        ),
+        cfg.num_warps,
     )
     return y
 
@@ -165,7 +180,7 @@ def backward(
     bias: Optional[Tensor],
     activation: str,
     p: float,
-    rng: Optional[Tensor],
+    rng: Optional[Rng],
     need_x: bool,
     need_bias: bool,
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -176,11 +191,11 @@ def backward(
         raise ValueError(f"grad_y must have x's shape {tuple(x.shape)}, got {tuple(grad_y.shape)}")
     need_bias = need_bias and bias is not None
     m, n = x.shape
-    grad_x = torch.empty((m, n), dtype=x.dtype, device=x.device) if need_x else None
+    grad_x = x.new_empty((m, n)) if need_x else None
     if not need_bias:
-        if not need_x or grad_x.numel() == 0:
+        if not need_x or m == 0 or n == 0:
             return grad_x, None
-    elif x.numel() == 0:
+    elif m == 0 or n == 0:
         return grad_x, torch.zeros_like(bias)
     cfg = config(m, n, x.element_size(), backward=True, dropout=rng is not None)
     col_programs = triton.cdiv(n, cfg.block_n)
@@ -191,34 +206,33 @@ def backward(
         grad_bias = torch.empty_like(bias)
         if row_programs > 1:
             partials = torch.empty((row_programs, n), dtype=torch.float32, device=x.device)
-    threshold, scale = _dropout_args(p, rng)
-    _backward_kernel[(row_programs, col_programs)](
-        grad_y,
-        x,
-        x if bias is None else bias,
-        x if grad_x is None else grad_x,
-        x if grad_bias is None else (grad_bias if partials is None else partials),
-        x if rng is None else rng,
-        m,
-        n,
-        rows_per_program,
-        grad_y.stride(0),
-        grad_y.stride(1),
-        x.stride(0),
-        x.stride(1),
-        threshold,
-        scale,
-        ACTIVATION=activation,
-        HAS_BIAS=bias is not None,
-        DROPOUT=rng is not None,
-        GROUPED=n % 8 == 0,
-        WIDE=_wide(n, x.stride(1), grad_y.stride(1)),
-        NEED_X=need_x,
-        NEED_BIAS=need_bias,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
+    (rng_t, s0, s1, o0, o1, threshold, scale), on_device = _dropout_args(x, p, rng)
+    sgy, sx = grad_y.stride(), x.stride()
+    _BACKWARD(
+        (row_programs, col_programs),
+        (
+            grad_y,
+            x,
+            x if bias is None else bias,
+            x if grad_x is None else grad_x,
+            x if grad_bias is None else (grad_bias if partials is None else partials),
+            rng_t, s0, s1, o0, o1,
+            m, n, rows_per_program, sgy[0], sgy[1], sx[0], sx[1], threshold, scale,
+        ),  # fmt: skip
+        (
+            activation,  # ACTIVATION
+            bias is not None,  # HAS_BIAS
+            rng is not None,  # DROPOUT
+            on_device,  # RNG_ON_DEVICE
+            n % 8 == 0,  # GROUPED
+            _wide(n, sx[1], sgy[1]),  # WIDE
+            need_x,  # NEED_X
+            need_bias,  # NEED_BIAS
+            cfg.block_m,
+            cfg.block_n,
+        ),
+        cfg.num_warps,
     )
     if partials is not None:  # 32 columns (128 B rows) a program: N / 32 programs stream the partials
-        _bias_grad_kernel[(triton.cdiv(n, 32),)](partials, grad_bias, row_programs, n, BLOCK_R=64, BLOCK_N=32)
+        _BIAS_GRAD((triton.cdiv(n, 32),), (partials, grad_bias, row_programs, n), (64, 32), 4)
     return grad_x, grad_bias

@@ -14,7 +14,7 @@ Issue budget: the H200 copies at 4.14 TB/s; 132 SMs x 4 schedulers x 32 lanes x 
 backward ~48. sm_90 SASS of these kernels (triton 3.6 and 3.9, bf16, forward 4 x 1024 tiles / backward
 loop at 2 x 1024): forward gelu 21 (30 with dropout), relu 8 (17); backward gelu 28 (38), relu 11 (20).
 Dropout costs ~9 an element: Philox is 7 rounds x (2 mul.wide + 2 xor3) a call shared by 8 elements,
-the key schedule runs on the uniform datapath (seed and offset loaded in-kernel: no host sync).
+the key schedule runs on the uniform datapath (seed and offset are scalars: host words or one load).
 """
 
 import triton
@@ -54,9 +54,28 @@ def _philox(seed, c0, c1):
 
 
 @triton.jit
+def _rng(RNG, seed_lo, seed_hi, offset_lo, offset_hi, RNG_ON_DEVICE: tl.constexpr):
+    """(seed, offset) as 64-bit integers: loaded from the int64 [seed, offset] tensor RNG, or joined
+    from the four 32-bit words of a ``HostRng`` passed as signed int32 scalars (one compiled variant
+    whatever the values: no 32/64-bit or divisibility specialization)."""
+    if RNG_ON_DEVICE:
+        seed = tl.load(RNG).to(tl.uint64, bitcast=True)
+        offset = tl.load(RNG + 1)
+    else:
+        seed = (seed_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | seed_lo.to(
+            tl.uint32, bitcast=True
+        ).to(tl.uint64)
+        offset = (
+            (offset_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32)
+            | offset_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+        ).to(tl.int64, bitcast=True)
+    return seed, offset
+
+
+@triton.jit
 def _keep(
-    seed,  # int64 Philox key of this call (rng[0])
-    offset,  # int64 first counter of this call (rng[1])
+    seed,  # 64-bit Philox key of this call
+    offset,  # int64 first counter of this call
     rows,  # (BLOCK_M,) int32 row indices
     groups,  # (BLOCK_N // 8,) int32 group indices within a row: cols // 8
     lanes,  # (8,) int32: cols % 8
@@ -88,12 +107,16 @@ def _keep(
     return word >= (threshold << 16).to(tl.uint32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["M", "threshold"])
+@triton.jit(do_not_specialize=["M", "threshold", "seed_lo", "seed_hi", "offset_lo", "offset_hi"])
 def _forward_kernel(
     X,  # input, (M, N) with strides (stride_xm, stride_xn)
     B,  # bias, (N,); unused without HAS_BIAS
     Y,  # output, (M, N) contiguous, x's dtype
-    RNG,  # int64 [seed, offset]; unused without DROPOUT
+    RNG,  # int64 [seed, offset] with RNG_ON_DEVICE; unused without DROPOUT
+    seed_lo,  # int32 words of a host (seed, offset), without RNG_ON_DEVICE
+    seed_hi,
+    offset_lo,
+    offset_hi,
     M,  # rows
     N,  # columns
     stride_xm,  # x's row stride, elements
@@ -103,6 +126,7 @@ def _forward_kernel(
     ACTIVATION: tl.constexpr,  # name in backends.triton.activations
     HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr,  # False: no RNG work at all
+    RNG_ON_DEVICE: tl.constexpr,  # (seed, offset) in the RNG tensor, else in the four int32 words
     GROUPED: tl.constexpr,  # N % 8 == 0
     WIDE: tl.constexpr,  # column offsets need 64 bits
     BLOCK_M: tl.constexpr,
@@ -123,20 +147,27 @@ def _forward_kernel(
         z += tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
     y = apply(z, ACTIVATION)
     if DROPOUT:
-        keep = _keep(tl.load(RNG), tl.load(RNG + 1), rows, groups, lanes, N, threshold, GROUPED)
+        seed, offset = _rng(RNG, seed_lo, seed_hi, offset_lo, offset_hi, RNG_ON_DEVICE)
+        keep = _keep(seed, offset, rows, groups, lanes, N, threshold, GROUPED)
         y = tl.where(keep, y, 0.0) * scale
     y_ptrs = Y + (rows.to(tl.int64) * N)[:, None, None] + cols[None, :, :]
     tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M", "rows_per_program", "threshold"])
+@triton.jit(
+    do_not_specialize=["M", "rows_per_program", "threshold", "seed_lo", "seed_hi", "offset_lo", "offset_hi"]
+)
 def _backward_kernel(
     GY,  # upstream gradient, (M, N) with strides (stride_gm, stride_gn), possibly 0
     X,  # forward input, (M, N) with strides (stride_xm, stride_xn)
     B,  # bias, (N,); unused without HAS_BIAS
     GX,  # grad_x, (M, N) contiguous, x's dtype; unused without NEED_X
     GB,  # (row programs, N) float32 partial bias gradients, or (N,) grad_bias when one row program
-    RNG,  # int64 [seed, offset]; unused without DROPOUT
+    RNG,  # int64 [seed, offset] with RNG_ON_DEVICE; unused without DROPOUT
+    seed_lo,  # int32 words of a host (seed, offset), without RNG_ON_DEVICE
+    seed_hi,
+    offset_lo,
+    offset_hi,
     M,  # rows
     N,  # columns
     rows_per_program,  # a multiple of BLOCK_M
@@ -149,6 +180,7 @@ def _backward_kernel(
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr,
+    RNG_ON_DEVICE: tl.constexpr,
     GROUPED: tl.constexpr,
     WIDE: tl.constexpr,
     NEED_X: tl.constexpr,  # write grad_x
@@ -165,8 +197,7 @@ def _backward_kernel(
     if HAS_BIAS:
         bias = tl.load(B + cols[None, :, :], mask=col_mask[None, :, :], other=0.0).to(tl.float32)
     if DROPOUT:  # loaded once: inside the loop they could alias the stores and be reloaded
-        seed = tl.load(RNG)
-        offset = tl.load(RNG + 1)
+        seed, offset = _rng(RNG, seed_lo, seed_hi, offset_lo, offset_hi, RNG_ON_DEVICE)
     acc = tl.zeros((BLOCK_M, BLOCK_N // 8, 8), tl.float32)
     first_row = tl.program_id(0) * rows_per_program
     for start in range(0, rows_per_program, BLOCK_M):
