@@ -93,7 +93,7 @@ def test_matches_reference(activation, dtype, device):
 def test_long_shapes_reduce_partials(shape, device):
     x, bias, grad_y = _inputs(shape, torch.float32, device)
     cfg = triton_op.config(shape[0], shape[1], 4, backward=True)
-    per_program = triton_op._rows_per_program(shape[0], cfg, -(-shape[1] // cfg.block_n), x.device)
+    per_program = triton_op._rows_per_program(shape[0], cfg, -(-shape[1] // cfg.block_n), x)
     assert per_program < shape[0], "this shape should need several row-programs"
     assert_matches(x, bias, "gelu", 0.3, 3, grad_y)
 

@@ -48,10 +48,14 @@ DECODE_TILE = 4096
 MAX_ROWS_PER_PROGRAM = 64
 MIN_PROGRAMS_PER_SM = 4
 _INT32_LIMIT = 2**31
-_FORWARD = Launcher(_forward_kernel)
-_BACKWARD = Launcher(_backward_kernel)
-_BIAS_GRAD = Launcher(_bias_grad_kernel)
+_FORWARD = Launcher(_forward_kernel, tensors=4)
+_BACKWARD = Launcher(_backward_kernel, tensors=6)
+_BIAS_GRAD = Launcher(_bias_grad_kernel, tensors=2)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a constexpr_function in triton 3.6: ~1-2 us a host call
 
 
 class Config(NamedTuple):
@@ -100,13 +104,13 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _rows_per_program(m: int, cfg: Config, col_programs: int, device: torch.device) -> int:
+def _rows_per_program(m: int, cfg: Config, col_programs: int, x: Tensor) -> int:
     """Rows one backward program sums for the bias gradient: a multiple of BLOCK_M, all of them for
     decode shapes (then grad_bias is written directly, no second kernel)."""
     if m <= DECODE_ROWS:
         return cfg.block_m
-    row_blocks = triton.cdiv(m, cfg.block_m)
-    spare = row_blocks * col_programs // (MIN_PROGRAMS_PER_SM * _sm_count(device))
+    row_blocks = _cdiv(m, cfg.block_m)
+    spare = row_blocks * col_programs // (MIN_PROGRAMS_PER_SM * _sm_count(x.device))
     return cfg.block_m * min(max(1, spare), max(1, MAX_ROWS_PER_PROGRAM // cfg.block_m))
 
 
@@ -157,7 +161,7 @@ def forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: O
     cfg = config(m, n, x.element_size(), dropout=rng is not None)
     (rng_t, s0, s1, o0, o1, threshold, scale), on_device = _dropout_args(x, p, rng)
     _FORWARD(
-        (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)),
+        (_cdiv(m, cfg.block_m), _cdiv(n, cfg.block_n)),
         (x, x if bias is None else bias, y, rng_t, s0, s1, o0, o1, m, n, x.stride(0), x.stride(1), threshold, scale),
         (
             activation,  # ACTIVATION
@@ -198,9 +202,9 @@ def backward(
     elif m == 0 or n == 0:
         return grad_x, torch.zeros_like(bias)
     cfg = config(m, n, x.element_size(), backward=True, dropout=rng is not None)
-    col_programs = triton.cdiv(n, cfg.block_n)
-    rows_per_program = _rows_per_program(m, cfg, col_programs, x.device) if need_bias else cfg.block_m
-    row_programs = triton.cdiv(m, rows_per_program)
+    col_programs = _cdiv(n, cfg.block_n)
+    rows_per_program = _rows_per_program(m, cfg, col_programs, x) if need_bias else cfg.block_m
+    row_programs = _cdiv(m, rows_per_program)
     grad_bias = partials = None
     if need_bias:
         grad_bias = torch.empty_like(bias)
@@ -234,5 +238,5 @@ def backward(
         cfg.num_warps,
     )
     if partials is not None:  # 32 columns (128 B rows) a program: N / 32 programs stream the partials
-        _BIAS_GRAD((triton.cdiv(n, 32),), (partials, grad_bias, row_programs, n), (64, 32), 4)
+        _BIAS_GRAD((_cdiv(n, 32),), (partials, grad_bias, row_programs, n), (64, 32), 4)
     return grad_x, grad_bias

@@ -28,25 +28,28 @@ except ImportError:  # pragma: no cover - older triton: no hooks to honour
 _I32 = 2**31
 
 
-def _arg_key(a: Any) -> Any:
-    if isinstance(a, Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if a.__class__ is int:
-        return (-_I32 <= a < _I32, a == 1, a % 16 == 0)
-    if a.__class__ is float:
-        return float
-    raise TypeError
-
-
 class Launcher:
-    """``Launcher(kernel)(grid, args, constexprs, num_warps)`` launches ``kernel[grid](*args,
-    *constexprs, num_warps=num_warps)``: args are the runtime arguments and constexprs the
-    compile-time ones, both in the kernel's parameter order (constexprs after every runtime one)."""
+    """``Launcher(kernel, tensors)(grid, args, constexprs, num_warps)`` launches ``kernel[grid](*args,
+    *constexprs, num_warps=num_warps)``. ``args`` are the runtime arguments, the first ``tensors`` of
+    them tensors and the rest Python ints and floats; ``constexprs`` the compile-time ones; both in
+    the kernel's parameter order (constexprs after every runtime one)."""
 
-    def __init__(self, kernel: Any, max_entries: int = 1024) -> None:
+    def __init__(self, kernel: Any, tensors: int, max_entries: int = 1024) -> None:
         self.kernel = kernel
+        self.tensors = tensors
         self.max_entries = max_entries
         self._compiled: dict = {}
+
+    def _key(self, device: int, num_warps: int, constexprs: tuple, args: tuple) -> tuple:
+        nt = self.tensors
+        return (
+            device,
+            num_warps,
+            constexprs,
+            tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in args[:nt]]),
+            # an int: 32 or 64 bits, == 1, % 16 == 0 (Triton's int specializations); a float: nothing
+            tuple([None if a.__class__ is float else (-_I32 <= a < _I32, a == 1, a % 16 == 0) for a in args[nt:]]),
+        )
 
     def __call__(self, grid: tuple, args: tuple, constexprs: tuple, num_warps: int) -> None:
         first = args[0]
@@ -58,11 +61,7 @@ class Launcher:
             with torch.cuda.device(device):
                 self.kernel[grid](*args, *constexprs, num_warps=num_warps)
             return
-        try:
-            key = (device, num_warps, constexprs, tuple([_arg_key(a) for a in args]))
-        except TypeError:  # an argument kind the key does not model: Triton's own path
-            self.kernel[grid](*args, *constexprs, num_warps=num_warps)
-            return
+        key = self._key(device, num_warps, constexprs, args)
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](*args, *constexprs, num_warps=num_warps)
