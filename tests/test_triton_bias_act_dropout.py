@@ -351,3 +351,20 @@ def test_gelu_and_its_derivative_are_float32_accurate(device):
     gx, _ = triton_op.backward(torch.ones_like(z), z, None, "gelu", 0.0, None, True, False)
     assert ((y.double() - ref).abs() <= bound).all(), (y.double() - ref).abs().max().item()
     assert ((gx.double() - dref).abs() <= bound).all(), (gx.double() - dref).abs().max().item()
+
+
+@pytest.mark.parametrize("shape, activation, host", [((72, 16), "gelu", True), ((130, 40), "relu", False)], ids=str)
+def test_rows_kernel_bit_identical_to_the_tile_kernel(shape, activation, host, device, monkeypatch):
+    """bf16 with dropout past decode sizes takes the rows kernel (32-bit word loads, scalar counters);
+    its y equals the tile kernel's bit for bit, with and without bias, across a counter carry."""
+    x, bias, _ = _inputs(shape, torch.bfloat16, device)
+    rng = dropout_rng.HostRng(2**64 - 5, 2**32 - 100) if host else _rng(device)
+    for b in (bias, None):
+        assert triton_op._rows_kernel_fits(x, b, rng, *shape)
+        y = triton_op.forward(x, b, activation, 0.3, rng)
+        with monkeypatch.context() as patched:
+            patched.setattr(triton_op, "_rows_kernel_fits", lambda *args: False)
+            tiled = triton_op.forward(x, b, activation, 0.3, rng)
+        assert torch.equal(y.view(torch.int16), tiled.view(torch.int16))
+    assert not triton_op._rows_kernel_fits(x[:, 1:9], bias[1:9], rng, shape[0], 8)  # 2-byte aligned
+    assert not triton_op._rows_kernel_fits(x.half(), bias.half(), rng, *shape)  # float16: no shifts

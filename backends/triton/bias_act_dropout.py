@@ -17,7 +17,12 @@ import triton
 from torch import Tensor
 
 
-from backends.triton.bias_act_dropout_kernels import _backward_kernel, _bias_grad_kernel, _forward_kernel
+from backends.triton.bias_act_dropout_kernels import (
+    _backward_kernel,
+    _bias_grad_kernel,
+    _forward_kernel,
+    _forward_rows_kernel,
+)
 from backends.triton.launch import Launcher
 from dispatch import rng as dropout_rng
 from dispatch.rng import Rng
@@ -40,6 +45,9 @@ HALF_SETTINGS = {
     (True, True): (8, 8, MAX_BLOCK_N),
     (True, False): (16, 4, MAX_BLOCK_N),
 }
+# bf16 forward with dropout, rows kernel (benchmarks/probes/fwd_variants.py, H200 2026-11-30): 16
+# elements a thread, rows up to 2048 wide, 8 rows a program: 1.12-1.14x a copy vs the tile's 1.31-1.33x
+ROWS_KERNEL_ROWS, ROWS_KERNEL_MAX_N, ROWS_KERNEL_PER_THREAD = 8, 2048, 16
 DECODE_ROWS = 64  # M up to this: one tile holds every row (one launch forward, one backward)
 DECODE_TILE = 4096
 # Backward row-programs loop over rows summing the bias gradient: at most MAX_ROWS_PER_PROGRAM rows
@@ -49,6 +57,7 @@ MAX_ROWS_PER_PROGRAM = 64
 MIN_PROGRAMS_PER_SM = 4
 _INT32_LIMIT = 2**31
 _FORWARD = Launcher(_forward_kernel, tensors=4)
+_FORWARD_ROWS = Launcher(_forward_rows_kernel, tensors=4)
 _BACKWARD = Launcher(_backward_kernel, tensors=6)
 _BIAS_GRAD = Launcher(_bias_grad_kernel, tensors=2)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -151,6 +160,21 @@ def _dropout_args(x: Tensor, p: float, rng: Optional[Rng]) -> tuple[tuple, bool]
     return (x, _word(seed), _word(seed >> 32), _word(offset), _word(offset >> 32), threshold, scale), False
 
 
+def _rows_kernel_fits(x: Tensor, bias: Optional[Tensor], rng: Optional[Rng], m: int, n: int) -> bool:
+    """bf16 with dropout past decode sizes, rows of whole 8-element groups readable as aligned 32-bit
+    words (the rows kernel widens bf16 by bit shifts: not for float16)."""
+    return (
+        rng is not None
+        and x.dtype == torch.bfloat16
+        and m > DECODE_ROWS
+        and n % 8 == 0
+        and x.stride(1) == 1
+        and x.stride(0) % 2 == 0
+        and x.data_ptr() % 4 == 0
+        and (bias is None or bias.data_ptr() % 4 == 0)
+    )
+
+
 def forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng]) -> Tensor:
     """y = dropout(act(x + bias)) in one pass; x (M, N) with any strides, y contiguous in x's dtype."""
     _check(x, bias)
@@ -158,8 +182,24 @@ def forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: O
     y = x.new_empty((m, n))  # contiguous; new_empty builds no torch.device
     if m == 0 or n == 0:
         return y
-    cfg = config(m, n, x.element_size(), dropout=rng is not None)
     (rng_t, s0, s1, o0, o1, threshold, scale), on_device = _dropout_args(x, p, rng)
+    if _rows_kernel_fits(x, bias, rng, m, n):
+        block_n = _block_n(n, ROWS_KERNEL_MAX_N)
+        _FORWARD_ROWS(
+            (_cdiv(m, ROWS_KERNEL_ROWS), _cdiv(n, block_n)),
+            (x, x if bias is None else bias, y, rng_t, s0, s1, o0, o1, m, n, x.stride(0), threshold, scale),
+            (
+                activation,  # ACTIVATION
+                bias is not None,  # HAS_BIAS
+                on_device,  # RNG_ON_DEVICE
+                m % ROWS_KERNEL_ROWS == 0 and n % block_n == 0,  # EVEN
+                block_n,
+                ROWS_KERNEL_ROWS,
+            ),
+            max(1, min(4, block_n // (32 * ROWS_KERNEL_PER_THREAD))),
+        )
+        return y
+    cfg = config(m, n, x.element_size(), dropout=rng is not None)
     _FORWARD(
         (_cdiv(m, cfg.block_m), _cdiv(n, cfg.block_n)),
         (x, x if bias is None else bias, y, rng_t, s0, s1, o0, o1, m, n, x.stride(0), x.stride(1), threshold, scale),
