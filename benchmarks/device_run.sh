@@ -25,6 +25,7 @@ for arg in "$@"; do
   limit=${arg#*:}
   [ "$limit" = "$arg" ] && limit=300
   case $name in
+    probe_sync) stage probe_sync "$limit" python3 benchmarks/probes/probe_rng_sync.py ;;
     probe_host) stage probe_host "$limit" python3 benchmarks/probes/probe_host_overhead.py ;;
     env) stage env "$limit" bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m dispatch.info' ;;
     gputests) stage gputests "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=10 ${GPU_K:+-k "$GPU_K"} ${GPU_TESTS:-tests} ;;
