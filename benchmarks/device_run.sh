@@ -25,6 +25,7 @@ for arg in "$@"; do
   limit=${arg#*:}
   [ "$limit" = "$arg" ] && limit=300
   case $name in
+    probe_decode) stage probe_decode "$limit" python3 benchmarks/probes/probe_decode_dropout.py ;;
     probe_hot) stage probe_hot "$limit" python3 benchmarks/probes/probe_hot_path.py ;;
     probe_sync) stage probe_sync "$limit" python3 benchmarks/probes/probe_rng_sync.py ;;
     probe_host) stage probe_host "$limit" python3 benchmarks/probes/probe_host_overhead.py ;;
