@@ -25,6 +25,7 @@ for arg in "$@"; do
   limit=${arg#*:}
   [ "$limit" = "$arg" ] && limit=300
   case $name in
+    tests_graph) stage tests_graph "$limit" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_nn.py::test_cuda_graph_replays_draw_new_masks tests/test_rng.py ;;
     probe_decode) stage probe_decode "$limit" python3 benchmarks/probes/probe_decode_dropout.py ;;
     probe_hot) stage probe_hot "$limit" python3 benchmarks/probes/probe_hot_path.py ;;
     probe_sync) stage probe_sync "$limit" python3 benchmarks/probes/probe_rng_sync.py ;;
