@@ -97,6 +97,8 @@ def _fused_linear_op(
 ) -> tuple[Tensor, Tensor]:
     shape = (x.shape[0], weight.shape[0], x.shape[1])
     impl = _impl("fused_linear", x, shape, activation, False, training, backend)
+    if not training:  # no autograd: nothing to keep (the fake promises an empty saved tensor)
+        return impl.infer(x, weight, bias, activation), x.new_empty(_EMPTY)
     y, saved = impl.forward(x, weight, bias, activation)
     if saved is None and activation != "identity":  # cublaslt recomputes it in backward; the fake promises (M, N)
         saved = torch.nn.functional.linear(x, weight, bias)
@@ -106,7 +108,7 @@ def _fused_linear_op(
 @_fused_linear_op.register_fake
 def _(x, weight, bias, activation, backend, training):
     shape = (x.shape[0], weight.shape[0])
-    return x.new_empty(shape), x.new_empty(_EMPTY if activation == "identity" else shape)
+    return x.new_empty(shape), x.new_empty(_EMPTY if activation == "identity" or not training else shape)
 
 
 @torch.library.custom_op("fusedispatch::fused_linear_backward", mutates_args=())

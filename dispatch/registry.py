@@ -50,6 +50,10 @@ class FusedLinearImpl(Protocol):
         self, x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str
     ) -> tuple[Tensor, Optional[Tensor]]: ...
 
+    def infer(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
+        """forward's y alone, for calls without autograd: nothing is kept for backward."""
+        ...
+
     def backward(
         self,
         grad_y: Tensor,

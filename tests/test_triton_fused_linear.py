@@ -303,3 +303,20 @@ def test_64_bit_offsets():
     ref = reference(x[tail], weight, bias, "gelu", upcast=True)
     check("y[-3:]", y[tail], ref, reference(x[tail], weight, bias, "gelu"))
     check("pre[-3:]", pre[tail], reference(x[tail], weight, bias, "identity", upcast=True))
+
+
+@pytest.mark.parametrize("activation", ("gelu", "identity"))
+def test_infer_writes_no_pre_activation(activation, device, monkeypatch):
+    """Calls without autograd take ``infer``: the same y as forward's, bit for bit, and the matmul
+    is launched without a pre-activation output."""
+    x = torch.randn(9, 24, device=device)
+    w = torch.randn(17, 24, device=device)
+    b = torch.randn(17, device=device)
+    launched = []
+    launch = matmul.launch
+    monkeypatch.setattr(matmul, "launch", lambda *a, **k: launched.append(k.get("pre")) or launch(*a, **k))
+    y = triton_op.infer(x, w, b, activation)
+    assert launched == [None]
+    assert torch.equal(y, triton_op.forward(x, w, b, activation)[0])
+    with torch.no_grad():
+        assert torch.equal(fused_linear(x, w, b, activation, backend="triton"), y)

@@ -160,6 +160,11 @@ def forward(
     return launch_forward(x, weight, bias, activation, save_pre=activation != "identity")
 
 
+def infer(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
+    """y = act(x @ W^T + b) for calls without autograd."""
+    return launch_forward(x, weight, bias, activation, save_pre=False)[0]  # no pre-activation write
+
+
 def backward(
     grad_y: Tensor,
     x: Tensor,
