@@ -28,6 +28,7 @@ from torch import Tensor
 
 from backends.triton import matmul
 from backends.triton.activations import derivative
+from backends.triton.launch import Launcher
 
 
 @triton.jit
@@ -81,6 +82,7 @@ def _act_grad_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 _PROGRAMS_PER_SM = 4  # bandwidth pass: enough programs in flight to cover HBM latency
+_ACT_GRAD = Launcher(_act_grad_kernel, tensors=4)
 
 
 def launch_act_grad(
@@ -106,11 +108,12 @@ def launch_act_grad(
     p = pre if store else grad_y
     sg, sp = grad_y.stride(), p.stride()
     index_64 = max(matmul._extent((M, N), sg), matmul._extent((M, N), sp), M * N) >= 2**31
-    _act_grad_kernel[(row_groups, col_programs)](
-        grad_y, p, grad_pre, sums, M, N, rows, sg[0], sg[1], sp[0], sp[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, ACTIVATION=activation, STORE_GRAD=store, HAS_COLSUM=colsum,
-        INDEX_64=index_64, num_warps=4,
-    )  # fmt: skip
+    _ACT_GRAD(
+        (row_groups, col_programs),
+        (grad_y, p, grad_pre, sums, M, N, rows, sg[0], sg[1], sp[0], sp[1]),
+        (block_m, block_n, activation, store, colsum, index_64),  # BLOCK_M, BLOCK_N, ACTIVATION, STORE_GRAD, HAS_COLSUM, INDEX_64
+        4,
+    )
     return grad_pre, sums.sum(0) if colsum else None
 
 
