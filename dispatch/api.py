@@ -12,7 +12,7 @@ from torch import Tensor
 from dispatch import rng as dropout_rng
 from dispatch.activations import ACTIVATIONS, get_activation
 from dispatch.registry import Call
-from dispatch.select import ENV_VAR, Decision, _requested, cached, decide, env_backend, select
+from dispatch.select import ENV_VAR, Decision, _requested, cached_impl, decide, env_backend, select
 
 _FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _is_compiling = torch.compiler.is_compiling  # bound once: the attribute chain costs ~0.1 us per call
@@ -172,10 +172,12 @@ def _run_bias_act_dropout(x, x2d, m, n, bias, activation, p, rng, grad, dtype, d
     """Checked arguments -> the cached decision -> the backend; the result in x's shape."""
     dropout = rng is not None
     key = ("bias_act_dropout", device, dtype, m, n, activation, dropout, grad)
-    decision = cached(key, backend) or select(
-        key, lambda: Call("bias_act_dropout", x.device, dtype, (m, n), activation, dropout, grad), backend
-    )
-    impl = decision.backend.ops["bias_act_dropout"]
+    impl = cached_impl(key, backend)
+    if impl is None:
+        decision = select(
+            key, lambda: Call("bias_act_dropout", x.device, dtype, (m, n), activation, dropout, grad), backend
+        )
+        impl = decision.backend.ops["bias_act_dropout"]
     if grad:
         y = _BiasActDropout.apply(x2d, bias, impl, activation, p, rng)
     else:
@@ -186,10 +188,12 @@ def _run_bias_act_dropout(x, x2d, m, n, bias, activation, p, rng, grad, dtype, d
 def _run_fused_linear(x, x2d, shape, m, n, k, weight, bias, activation, grad, dtype, device, backend) -> Tensor:
     """Checked arguments -> the cached decision -> the backend; the result shaped (..., N)."""
     key = ("fused_linear", device, dtype, m, n, k, activation, grad)
-    decision = cached(key, backend) or select(
-        key, lambda: Call("fused_linear", x.device, dtype, (m, n, k), activation, False, grad), backend
-    )
-    impl = decision.backend.ops["fused_linear"]
+    impl = cached_impl(key, backend)
+    if impl is None:
+        decision = select(
+            key, lambda: Call("fused_linear", x.device, dtype, (m, n, k), activation, False, grad), backend
+        )
+        impl = decision.backend.ops["fused_linear"]
     if grad:
         y = _FusedLinear.apply(x2d, weight, bias, impl, activation)
     else:

@@ -28,6 +28,7 @@ _requested: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
     "dispatch_backend", default=None
 )
 _cache: dict[tuple, "Decision"] = {}
+_impls: dict[tuple, object] = {}  # the same keys -> the chosen backend's op module: the hot path's lookup
 # Read at import and by clear_cache(), not per call: os.environ.get of an unset variable costs ~1 us
 # (a KeyError raised and caught inside os.environ), a third of the whole dispatch budget.
 _env_backend: Optional[str] = os.environ.get(ENV_VAR) or None
@@ -61,15 +62,15 @@ def use_backend(name: str) -> Iterator[None]:
         _requested.reset(token)
 
 
-def cached(key: tuple, backend: Optional[str]) -> Optional[Decision]:
-    """The hot path: the cached decision for the call signature ``key``, or None (then ``select``),
-    so that a hit builds no ``make_call`` closure."""
+def cached_impl(key: tuple, backend: Optional[str]) -> Optional[object]:
+    """The hot path: the op module of the backend cached for the call signature ``key`` (its first
+    item is the op's name), or None on a miss (then ``select``); one dictionary lookup."""
     if backend is not None:
-        return _cache.get((key, backend, _ARGUMENT))
+        return _impls.get((key, backend, _ARGUMENT))
     backend = _requested.get()
     if backend is not None:
-        return _cache.get((key, backend, _CONTEXT))
-    return _cache.get((key, _env_backend, ENV_VAR))
+        return _impls.get((key, backend, _CONTEXT))
+    return _impls.get((key, _env_backend, ENV_VAR))
 
 
 def select(key: tuple, make_call: Callable[[], Call], backend: Optional[str]) -> Decision:
@@ -86,7 +87,9 @@ def select(key: tuple, make_call: Callable[[], Call], backend: Optional[str]) ->
     if found is None:
         if len(_cache) >= _CACHE_LIMIT:
             _cache.clear()
+            _impls.clear()
         found = _cache[full] = decide(make_call(), backend, source)
+        _impls[full] = found.backend.ops[key[0]]
     return found
 
 
@@ -94,6 +97,7 @@ def clear_cache() -> None:
     """Forgets every cached decision and re-reads ``DISPATCH_BACKEND``."""
     global _env_backend
     _cache.clear()
+    _impls.clear()
     _env_backend = os.environ.get(ENV_VAR) or None
 
 
