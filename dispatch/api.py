@@ -275,6 +275,10 @@ def fused_bias_act_dropout(
     if torch.compiler.is_compiling():
         from dispatch import library
 
+        if not dropout and library.inline(backend):  # inductor fuses it with its neighbours
+            from backends.eager.bias_act_dropout import forward
+
+            return forward(x2d, bias, activation, 0.0, None).view(x.shape)
         rng = dropout_rng.draw(x.device, generator) if dropout else None  # a traced op: a tensor
 
         return library.bias_act_dropout(x2d, bias, activation, p, rng, backend or "", _needs_grad(x, bias)).view(x.shape)
@@ -346,6 +350,10 @@ def fused_linear(
     if torch.compiler.is_compiling():
         from dispatch import library
 
+        if library.inline(backend):  # inductor fuses bias and activation as for nn.Linear
+            from backends.eager.fused_linear import forward
+
+            return forward(x2d, weight, bias, activation)[0].view(*x.shape[:-1], n)
         return library.fused_linear(x2d, weight, bias, activation, backend or "", grad).view(*x.shape[:-1], n)
     shape = x.shape
     return _run_fused_linear(x, x2d, shape, x2d.shape[0], n, k, weight, bias, activation, grad, x.dtype, _device_key(x), backend)

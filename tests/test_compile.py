@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dispatch import fused_bias_act_dropout, fused_linear
+from dispatch import fused_bias_act_dropout, fused_linear, use_backend
 
 
 class MLP(nn.Module):
@@ -75,3 +75,29 @@ def test_no_graph_breaks_in_eval(device):
     model = MLP(p=0.3).to(device).eval()
     explanation = torch._dynamo.explain(model)(torch.randn(3, 16, device=device))
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+def _custom_ops_traced(model: nn.Module, x: torch.Tensor) -> list[str]:
+    """The fusedispatch custom ops in the graph dynamo captures for ``model(x)`` (no inductor)."""
+    found: list[str] = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs):
+        found.extend(str(n.target) for n in gm.graph.nodes if "fusedispatch" in str(n.target))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=capture, fullgraph=True)(x)
+    torch._dynamo.reset()
+    return found
+
+
+def test_compile_inlines_the_reference_unless_a_backend_is_requested(device):
+    """With no backend requested, fused_linear and dropout-free bias_act_dropout are traced as their
+    reference math, so inductor can fuse them with their neighbours; dropout stays the custom op (the
+    spec's mask), and a requested backend keeps every op a custom op that runs it."""
+    x = torch.randn(3, 16, device=device)
+    assert _custom_ops_traced(MLP().to(device).eval(), x) == []
+    assert _custom_ops_traced(MLP(p=0.3).to(device).train(), x) == ["fusedispatch.bias_act_dropout.default"]
+    with use_backend("eager"):
+        traced = _custom_ops_traced(MLP().to(device).eval(), x)
+    assert sorted(set(traced)) == ["fusedispatch.bias_act_dropout.default", "fusedispatch.fused_linear.default"]
