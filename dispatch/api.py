@@ -3,102 +3,19 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from dispatch import rng as dropout_rng
-from dispatch.activations import ACTIVATIONS, get_activation
+from dispatch.activations import ACTIVATIONS
+from dispatch.checks import FLOAT_DTYPES, bias_act_dropout_args, check_backend, fused_linear_args
 from dispatch.registry import Call
 from dispatch.select import ENV_VAR, Decision, _requested, cached_impl, decide, env_backend, select
 
-_FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _is_compiling = torch.compiler.is_compiling  # bound once: the attribute chain costs ~0.1 us per call
 _is_grad_enabled = torch.is_grad_enabled
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _check_tensor(name: str, t: object) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"{name} must have a floating dtype (float16, bfloat16, float32 or float64), got {t.dtype}"
-        )
-    return t
-
-
-def _check_like(name: str, t: Tensor, x: Tensor) -> None:
-    if t.dtype != x.dtype:
-        raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
-    if t.device != x.device:
-        raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
-
-
-def _check_bias(bias: object, n: int, x: Tensor) -> Optional[Tensor]:
-    if bias is None:
-        return None
-    b = _check_tensor("bias", bias)
-    _check_like("bias", b, x)
-    if b.shape != (n,):
-        raise ValueError(f"bias must have shape ({n},) to match the output's last dimension, got {tuple(b.shape)}")
-    return b if b.is_contiguous() else b.contiguous()  # backends get a unit-stride bias (N values: cheap)
-
-
-def _check_x(x: object) -> Tensor:
-    x = _check_tensor("x", x)
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (..., N), got a 0-d tensor")
-    return x
-
-
-def _check_activation(activation: object) -> str:
-    if activation not in ACTIVATIONS:
-        get_activation(activation)  # raises with the list of names
-    return activation  # type: ignore[return-value]
-
-
-def _check_backend(backend: object) -> Optional[str]:
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be a backend name (str) or None, got {type(backend).__name__}")
-    return backend
-
-
-def _bias_act_dropout_args(
-    x: object, bias: object, activation: object, p: object, training: object, generator: object
-) -> tuple[Tensor, Optional[Tensor], str, float, bool]:
-    x = _check_x(x)
-    b = _check_bias(bias, x.shape[-1], x)
-    act = _check_activation(activation)
-    if type(p) is not float or not 0.0 <= p < 1.0:  # the float fast path skips numbers.Real's ABC check
-        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
-            raise ValueError(f"p must be a number in [0, 1), got {p!r}")
-    if not isinstance(training, bool):
-        raise TypeError(f"training must be a bool, got {type(training).__name__}")
-    if generator is not None:
-        if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-        if generator.device.type != x.device.type:
-            raise ValueError(f"generator must be on x's device type {x.device.type}, got {generator.device}")
-    return x, b, act, float(p), training and p > 0
-
-
-def _fused_linear_args(
-    x: object, weight: object, bias: object, activation: object
-) -> tuple[Tensor, Tensor, Optional[Tensor], str]:
-    x = _check_x(x)
-    w = _check_tensor("weight", weight)
-    _check_like("weight", w, x)
-    if w.dim() != 2 or w.shape[1] != x.shape[-1]:
-        raise ValueError(
-            f"weight must have shape (out_features, {x.shape[-1]}) to match x's last dimension, "
-            f"got {tuple(w.shape)}"
-        )
-    return x, w, _check_bias(bias, w.shape[0], x), _check_activation(activation)
 
 
 def _flatten(x: Tensor, shape: torch.Size, last: int) -> tuple[int, Tensor]:
@@ -236,7 +153,7 @@ def fused_bias_act_dropout(
     if (
         not _is_compiling()
         and isinstance(x, Tensor)
-        and (dtype := x.dtype) in _FLOAT_DTYPES
+        and (dtype := x.dtype) in FLOAT_DTYPES
         and (shape := x.shape)  # a 0-d tensor's shape is empty
         and ((on_cuda := x.is_cuda) or x.is_cpu)
         and ((device := x.get_device()) >= -1)  # -1 on CPU, the index on CUDA: always true
@@ -267,8 +184,8 @@ def fused_bias_act_dropout(
         grad = _is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
         return _run_bias_act_dropout(x, x2d, m, n, bias, activation, p, rng, grad, dtype, device, backend)
 
-    x, bias, activation, p, dropout = _bias_act_dropout_args(x, bias, activation, p, training, generator)
-    _check_backend(backend)
+    x, bias, activation, p, dropout = bias_act_dropout_args(x, bias, activation, p, training, generator)
+    check_backend(backend)
     n = x.shape[-1]
     p = p if dropout else 0.0
     x2d = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), n)  # (M, N), a view if strides allow
@@ -309,7 +226,7 @@ def fused_linear(
     if (
         not _is_compiling()
         and isinstance(x, Tensor)
-        and (dtype := x.dtype) in _FLOAT_DTYPES
+        and (dtype := x.dtype) in FLOAT_DTYPES
         and (shape := x.shape)
         and ((on_cuda := x.is_cuda) or x.is_cpu)
         and ((device := x.get_device()) >= -1)
@@ -341,8 +258,8 @@ def fused_linear(
         )
         return _run_fused_linear(x, x2d, shape, m, n, k, weight, bias, activation, grad, dtype, device, backend)
 
-    x, weight, bias, activation = _fused_linear_args(x, weight, bias, activation)
-    _check_backend(backend)
+    x, weight, bias, activation = fused_linear_args(x, weight, bias, activation)
+    check_backend(backend)
     k = x.shape[-1]
     n = weight.shape[0]
     x2d = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), k)  # (M, K)
@@ -362,7 +279,7 @@ def fused_linear(
 def explain(op_name: str, *args: Any, **kwargs: Any) -> Decision:
     """Which backend ``op_name`` (``"fused_bias_act_dropout"`` or ``"fused_linear"``) would use for
     these arguments, by which rule, and why each other backend was rejected. Print it to read it."""
-    backend = _check_backend(kwargs.pop("backend", None))
+    backend = check_backend(kwargs.pop("backend", None))
     if op_name in ("fused_bias_act_dropout", "bias_act_dropout"):
         call = _bias_act_dropout_call(*args, **kwargs)
     elif op_name == "fused_linear":
@@ -380,7 +297,7 @@ def explain(op_name: str, *args: Any, **kwargs: Any) -> Decision:
 def _bias_act_dropout_call(
     x: Tensor, bias: Optional[Tensor] = None, activation: str = "gelu", p: float = 0.0, training: bool = True, *, generator: Optional[torch.Generator] = None
 ) -> Call:
-    x, bias, activation, p, dropout = _bias_act_dropout_args(x, bias, activation, p, training, generator)
+    x, bias, activation, p, dropout = bias_act_dropout_args(x, bias, activation, p, training, generator)
     m = math.prod(x.shape[:-1])
     return Call("bias_act_dropout", x.device, x.dtype, (m, x.shape[-1]), activation, dropout, _needs_grad(x, bias))
 
@@ -388,6 +305,6 @@ def _bias_act_dropout_call(
 def _fused_linear_call(
     x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "identity"
 ) -> Call:
-    x, weight, bias, activation = _fused_linear_args(x, weight, bias, activation)
+    x, weight, bias, activation = fused_linear_args(x, weight, bias, activation)
     m = math.prod(x.shape[:-1])
     return Call("fused_linear", x.device, x.dtype, (m, weight.shape[0], x.shape[-1]), activation, False, _needs_grad(x, weight, bias))

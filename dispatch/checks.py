@@ -1,0 +1,94 @@
+"""Argument checks of the public ops: each bad input raises one clear error naming the argument, what
+was expected and what came. The ops' fast path checks the common valid case inline (dispatch/api.py);
+everything else comes here, so errors are raised in argument order."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from dispatch.activations import ACTIVATIONS, get_activation
+
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _check_tensor(name: str, t: object) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must have a floating dtype (float16, bfloat16, float32 or float64), got {t.dtype}"
+        )
+    return t
+
+
+def _check_like(name: str, t: Tensor, x: Tensor) -> None:
+    if t.dtype != x.dtype:
+        raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+    if t.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
+
+
+def _check_bias(bias: object, n: int, x: Tensor) -> Optional[Tensor]:
+    if bias is None:
+        return None
+    b = _check_tensor("bias", bias)
+    _check_like("bias", b, x)
+    if b.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},) to match the output's last dimension, got {tuple(b.shape)}")
+    return b if b.is_contiguous() else b.contiguous()  # backends get a unit-stride bias (N values: cheap)
+
+
+def _check_x(x: object) -> Tensor:
+    x = _check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (..., N), got a 0-d tensor")
+    return x
+
+
+def _check_activation(activation: object) -> str:
+    if activation not in ACTIVATIONS:
+        get_activation(activation)  # raises with the list of names
+    return activation  # type: ignore[return-value]
+
+
+def check_backend(backend: object) -> Optional[str]:
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a backend name (str) or None, got {type(backend).__name__}")
+    return backend
+
+
+def bias_act_dropout_args(
+    x: object, bias: object, activation: object, p: object, training: object, generator: object
+) -> tuple[Tensor, Optional[Tensor], str, float, bool]:
+    x = _check_x(x)
+    b = _check_bias(bias, x.shape[-1], x)
+    act = _check_activation(activation)
+    if type(p) is not float or not 0.0 <= p < 1.0:  # the float fast path skips numbers.Real's ABC check
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
+            raise ValueError(f"p must be a number in [0, 1), got {p!r}")
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be a bool, got {type(training).__name__}")
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        if generator.device.type != x.device.type:
+            raise ValueError(f"generator must be on x's device type {x.device.type}, got {generator.device}")
+    return x, b, act, float(p), training and p > 0
+
+
+def fused_linear_args(
+    x: object, weight: object, bias: object, activation: object
+) -> tuple[Tensor, Tensor, Optional[Tensor], str]:
+    x = _check_x(x)
+    w = _check_tensor("weight", weight)
+    _check_like("weight", w, x)
+    if w.dim() != 2 or w.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"weight must have shape (out_features, {x.shape[-1]}) to match x's last dimension, "
+            f"got {tuple(w.shape)}"
+        )
+    return x, w, _check_bias(bias, w.shape[0], x), _check_activation(activation)
