@@ -114,7 +114,8 @@ def _run_fused_linear(x, x2d, shape, m, n, k, weight, bias, activation, grad, dt
     if grad:
         y = _FusedLinear.apply(x2d, weight, bias, impl, activation)
     else:
-        y = impl.infer(x2d, weight, bias, activation)
+        infer = getattr(impl, "infer", None)  # optional (see dispatch.registry.FusedLinearImpl)
+        y = impl.forward(x2d, weight, bias, activation)[0] if infer is None else infer(x2d, weight, bias, activation)
     if x2d is x:
         return y
     # integer arguments: view(*shape[:-1], n) slices a torch.Size first, ~0.7 us more

@@ -44,15 +44,14 @@ class FusedLinearImpl(Protocol):
     """x is (M, K) and weight (N, K) with any strides, bias (N,) contiguous or None. forward returns the
     contiguous (M, N) output and ``saved``: None for identity, else the (M, N) pre-activation
     x @ W^T + b in x's dtype. backward recomputes the pre-activation when ``saved`` is None and the
-    activation needs it."""
+    activation needs it. Optional: ``infer(x, weight, bias, activation) -> y``, used for calls without
+    autograd by a backend whose forward would keep something for backward (triton's pre-activation);
+    without it those calls take forward's y."""
 
     def forward(
         self, x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str
     ) -> tuple[Tensor, Optional[Tensor]]: ...
 
-    def infer(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
-        """forward's y alone, for calls without autograd: nothing is kept for backward."""
-        ...
 
     def backward(
         self,

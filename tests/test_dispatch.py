@@ -33,10 +33,6 @@ class Recorder:
         self.calls.append("forward")
         return self.module.forward(*args)
 
-    def infer(self, *args):
-        self.calls.append("infer")
-        return self.module.infer(*args)
-
     def backward(self, *args):
         self.calls.append("backward")
         return self.module.backward(*args)

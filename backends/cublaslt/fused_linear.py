@@ -41,11 +41,6 @@ def forward(
     return y, None
 
 
-def infer(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
-    """y = act(x @ W^T + b) for calls without autograd."""
-    return forward(x, weight, bias, activation)[0]  # saves nothing anyway
-
-
 def backward(
     grad_y: Tensor,
     x: Tensor,

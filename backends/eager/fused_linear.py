@@ -43,11 +43,6 @@ def forward(
     return y, pre
 
 
-def infer(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
-    """y = act(x @ W^T + b) for calls without autograd."""
-    return forward(x, weight, bias, activation)[0]  # the pre-activation is computed anyway
-
-
 def backward(
     grad_y: Tensor,
     x: Tensor,

@@ -18,11 +18,6 @@ def forward(
     return run(eager.forward, (x, weight, bias, activation), rows=(0,))
 
 
-def infer(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
-    """y = act(x @ W^T + b) for calls without autograd."""
-    return forward(x, weight, bias, activation)[0]  # one compiled graph either way
-
-
 def backward(
     grad_y: Tensor,
     x: Tensor,

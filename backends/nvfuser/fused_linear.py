@@ -19,11 +19,6 @@ def forward(
     return run(key, lambda x, w, b: eager.forward(x, w, b, activation), x, weight, bias)
 
 
-def infer(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
-    """y = act(x @ W^T + b) for calls without autograd."""
-    return forward(x, weight, bias, activation)[0]  # one compiled graph either way
-
-
 def backward(
     grad_y: Tensor,
     x: Tensor,

@@ -111,7 +111,8 @@ def launch_act_grad(
     _ACT_GRAD(
         (row_groups, col_programs),
         (grad_y, p, grad_pre, sums, M, N, rows, sg[0], sg[1], sp[0], sp[1]),
-        (block_m, block_n, activation, store, colsum, index_64),  # BLOCK_M, BLOCK_N, ACTIVATION, STORE_GRAD, HAS_COLSUM, INDEX_64
+        # BLOCK_M, BLOCK_N, ACTIVATION, STORE_GRAD, HAS_COLSUM, INDEX_64
+        (block_m, block_n, activation, store, colsum, index_64),
         4,
     )
     return grad_pre, sums.sum(0) if colsum else None
