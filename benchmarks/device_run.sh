@@ -40,6 +40,7 @@ for arg in "$@"; do
     tests_2) stage tests_2 "$limit" python3 -m pytest -v -p no:cacheprovider -rfE --durations=20 tests/test_compiled_backends.py tests/test_fused_linear.py tests/test_fuzz.py tests/test_nn.py tests/test_patch.py tests/test_rng.py tests/test_triton_bias_act_dropout.py tests/test_triton_fused_linear.py tests/test_triton_launch.py ;;
     alltests) stage alltests "$limit" python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests ;;
     fwd_variants) stage fwd_variants "$limit" python3 benchmarks/probes/fwd_variants.py ;;
+    dropout_first_call) stage dropout_first_call "$limit" python3 benchmarks/probes/probe_compiled_dropout_first_call.py --repeats 2 --jobs 8 ;;
     nvfuser_probe) stage nvfuser_probe "$limit" python3 benchmarks/probes/probe_nvfuser_dropout.py ;;
     bench_overhead_quick) stage bench_overhead_quick "$limit" env DISPATCH_HEURISTICS_DIR="$(mktemp -d)" python3 benchmarks/bench_dispatch_overhead.py --quick --out "$R" ;;
     bench_bad) stage bench_bad "$limit" python3 benchmarks/bench_bias_act_dropout.py --out "$R" ;;
