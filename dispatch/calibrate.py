@@ -30,7 +30,7 @@ import heuristics
 from dispatch import calibrate_bench as bench
 from dispatch import select
 from dispatch.activations import ACTIVATION_NAMES
-from dispatch.calibrate_plan import MODES, NOISE, PREFERENCE, Plan, default_plan
+from dispatch.calibrate_plan import MODES, NOISE, PREFERENCE, Plan, default_plan, held_out_sizes
 from dispatch.calibrate_run import Run
 from dispatch.registry import OPS, backends
 
@@ -53,28 +53,29 @@ def self_check(doc: dict) -> dict:
     worst regret, and the worst slowdown against eager (the issue's targets: 95%, 15%, 3%)."""
     table = heuristics.Table(doc, "<calibration>")
     regrets, vs_eager, missing = [], [], 0
-    for e in doc["entries"]:
-        for pt in e["held_out"]:
-            if not pt["ms"]:
-                continue
-            call = bench.Case(
-                e["op"],
-                getattr(torch, e["dtype"]),
-                e["activation"],
-                e["mode"] == "training",
-                e["dropout"],
-                pt["m"],
-                tuple(e["features"]),
-                torch.device("cpu"),
-            ).call()
-            chosen = table.choose(call).backend
-            if chosen not in pt["ms"]:
-                missing += 1  # the table's pick failed parity or could not run at this point
-                continue
-            best = min(pt["ms"].values())
-            regrets.append(pt["ms"][chosen] / best - 1)
-            if "eager" in pt["ms"]:
-                vs_eager.append(pt["ms"][chosen] / pt["ms"]["eager"] - 1)
+    held = [(e, pt) for e in doc["entries"] for pt in e["held_out"]]
+    held += [(h, h["point"]) for h in doc.get("held_out_sizes", [])]  # at feature sizes not measured
+    for e, pt in held:
+        if not pt["ms"]:
+            continue
+        call = bench.Case(
+            e["op"],
+            getattr(torch, e["dtype"]),
+            e["activation"],
+            e["mode"] == "training",
+            e["dropout"],
+            pt["m"],
+            tuple(e["features"]),
+            torch.device("cpu"),
+        ).call()
+        chosen = table.choose(call).backend
+        if chosen not in pt["ms"]:
+            missing += 1  # the table's pick failed parity or could not run at this point
+            continue
+        best = min(pt["ms"].values())
+        regrets.append(pt["ms"][chosen] / best - 1)
+        if "eager" in pt["ms"]:
+            vs_eager.append(pt["ms"][chosen] / pt["ms"]["eager"] - 1)
     n = len(regrets) + missing
     result = {
         "points": n,
@@ -126,6 +127,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="keep the series already in --out, measure the rest")
     p.add_argument(
         "--probe", action="store_true", help="time every activation once; measure apart those that differ"
+    )
+    p.add_argument(
+        "--warm-workers",
+        type=int,
+        help="processes compiling the JIT backends' calls ahead of measuring, into their on-disk caches "
+        "(default on GPU: CPU cores - 2, at most 12; 0 turns it off; never on CPU)",
     )
     return p.parse_args(argv)
 
@@ -194,6 +201,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if e["activation"] == e["measured_as"]
         }
         todo = [(s, f) for s, f in work if (s.op, str(s.dtype)[6:], s.mode, s.dropout, s.rep, f) not in done]
+        series = list({id(s): s for s, _ in todo}.values())
+        warmed = _warm(args, plan, run, todo + [(s, f) for s in series for f, _ in held_out_sizes(plan, s)], bar)
         bar.reset(total=len(todo))
         bar.unit = "series"
         for s, features in todo:
@@ -205,6 +214,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bar.reset(total=sum(not e["parity_checked"] for e in run.entries.values()))
             bar.unit = "member"
             run.members()
+        if plan.held_out_sizes and not run.over() and not run.held_sizes:
+            bar.reset(total=len(series) * plan.held_out_sizes)
+            bar.unit = "point"
+            run.held_out_at_other_sizes(series)
     elapsed = time.monotonic() - run.start + (previous or {}).get("settings", {}).get("elapsed_s", 0.0)
     entries = sorted(
         run.entries.values(),
@@ -229,9 +242,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "series_measured": sum(e["activation"] == e["measured_as"] for e in entries),
             "series_planned": len(work),
             "members_unchecked": sum(not e["parity_checked"] for e in entries),
+            "warm_up": warmed,
+            "seconds_by_backend": {
+                n: {k: round(v, 1) for k, v in c.items()} for n, c in sorted(run.cost.items())
+            },
         },
         "backends": {n: backends()[n].display_name() for n in sorted(run.used) if n in backends()},
         "entries": entries,
+        "held_out_sizes": run.held_sizes,
     }
     doc["self_check"] = self_check(doc)
     heuristics.save_table(doc, out)
@@ -241,6 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     print(table_cli.render(heuristics.Table(doc, out)))
     print(format_self_check(doc["self_check"]))
+    print(format_costs(doc["settings"]))
     st = doc["settings"]
     state = "stopped by the budget after" if run.stopped else "finished in"
     print(
@@ -249,6 +268,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         + (" (run again with --resume to extend it)" if run.stopped else "")
     )
     return 0
+
+
+def _warm(args: argparse.Namespace, plan: Plan, run: Run, todo: list, bar: tqdm) -> Optional[dict]:
+    """On GPU, compile what the measuring will meet in parallel processes first (dispatch.calibrate_warm),
+    within a third of the budget; the time counts against the budget."""
+    workers = args.warm_workers
+    if workers is None:
+        workers = min(12, max((os.cpu_count() or 1) - 2, 0))
+    if plan.device.type != "cuda" or workers <= 0 or not todo:
+        return None
+    from dispatch import calibrate_warm
+
+    calls = calibrate_warm.cases(todo, plan, run.only)
+    if not calls:
+        return None
+    bar.set_description_str(f"compiling {len(calls)} calls ahead in {workers} processes", False)
+    try:
+        return calibrate_warm.warm(calls, workers, plan.budget_s / 3, plan.device, bar)
+    except OSError as exc:  # no processes to be had: measuring still works, only slower
+        print(f"compiling ahead failed ({exc}); measuring compiles as it goes", file=sys.stderr)
+        return None
+
+
+def format_costs(settings: dict) -> str:
+    """Where the time went: the warm-up, then per backend its parity checks and its timing."""
+    parts = []
+    w = settings.get("warm_up")
+    if w:
+        parts.append(f"compiling ahead {w['seconds']:.0f} s ({w['calls']} calls in {w['workers']} processes)")
+    for name, c in settings.get("seconds_by_backend", {}).items():
+        parts.append(f"{name} {c['check']:.0f} s checking + {c['time']:.0f} s timing")
+    return "time spent: " + "; ".join(parts) if parts else ""
 
 
 def format_self_check(r: dict) -> str:

@@ -33,6 +33,20 @@ CLASSES: dict[str, tuple[tuple[str, ...], ...]] = {
 }
 
 
+# The feature sizes of a full run: real-model sizes spread over the range (every one of
+# dispatch.shapes' 14 hidden/MLP sizes and 18 (N, K) pairs with 3 dtypes, 2 modes and dropout on/off is
+# ~550 series, ~35 min on the H200 host). Lookup between measured sizes takes the nearest one; the
+# self-check's held-out points include unmeasured sizes, so what that costs is measured, not assumed.
+FULL_FEATURES = (768, 3072, 4096, 14336, 28672)  # GPT-2/BERT hidden and MLP, LLaMA hidden, LLaMA-3 MLP, 70B MLP
+FULL_LINEAR = (  # (N, K) = (out, in): up and down projections
+    (3072, 768),  # GPT-2 / BERT / ViT-B up
+    (768, 3072),  # their down
+    (11008, 4096),  # LLaMA-2-7B up
+    (4096, 14336),  # LLaMA-3-8B / Mistral-7B down
+    (28672, 8192),  # 70B up
+)
+
+
 @dataclass
 class Plan:
     device: torch.device
@@ -44,6 +58,7 @@ class Plan:
     max_elements: int  # M * N cap for bias_act_dropout points
     max_macs: int  # M * N * K cap for fused_linear points
     held_out: int  # points per series measured for the self-check only
+    held_out_sizes: int  # per series, real-model feature sizes not measured, one point each (self-check)
     probe: bool  # check the activation classes by timing every activation once (--probe)
     budget_s: float
 
@@ -78,6 +93,7 @@ def default_plan(device: torch.device, quick: bool, budget: Optional[float]) -> 
             max_elements=2**28 if gpu else 2**18,
             max_macs=2**38 if gpu else 2**28,
             held_out=1,
+            held_out_sizes=0,
             probe=False,
             budget_s=budget if budget is not None else 90.0,
         )
@@ -86,14 +102,15 @@ def default_plan(device: torch.device, quick: bool, budget: Optional[float]) -> 
         quick=False,
         dtypes=(torch.bfloat16, torch.float16, torch.float32) if gpu else (torch.float32, torch.bfloat16),
         features={
-            "bias_act_dropout": spread([(n,) for n in shapes.feature_sizes()]),
-            "fused_linear": spread(shapes.linear_shapes()),
+            "bias_act_dropout": spread([(n,) for n in FULL_FEATURES]),
+            "fused_linear": spread(list(FULL_LINEAR)),
         },
         tokens=(1, 16, 256, 4096, 65536) if gpu else (1, 16, 256, 4096),
         ratio=1.5,
         max_elements=2**28 if gpu else 2**24,
         max_macs=2**38 if gpu else 2**32,
         held_out=1,
+        held_out_sizes=1,
         probe=False,
         budget_s=budget if budget is not None else 540.0,
     )
@@ -201,6 +218,23 @@ def fit(points: list[dict]) -> list[dict]:
             )
         prev = pt["m"]
     return segments
+
+
+def all_features(op: str) -> list[tuple[int, ...]]:
+    """Every real-model feature size of ``op`` (dispatch.shapes)."""
+    return [(n,) for n in shapes.feature_sizes()] if op == "bias_act_dropout" else shapes.linear_shapes()
+
+
+def held_out_sizes(plan: "Plan", s: "Series") -> list[tuple[tuple[int, ...], int]]:
+    """(features, M) for the self-check at real-model sizes the plan does not measure, chosen at random
+    with the series' label as the seed (the warm-up and the run agree on them)."""
+    measured = set(plan.features.get(s.op, []))
+    pool = [f for f in all_features(s.op) if f not in measured]
+    rnd = random.Random(s.label)
+    out = []
+    for features in rnd.sample(pool, min(plan.held_out_sizes, len(pool))):
+        out.append((features, rnd.choice([t for t in shapes.TOKENS if t <= plan.m_cap(s.op, features)])))
+    return out
 
 
 def held_out_ms(measured: list[int], cap: int, count: int, key: str) -> list[int]:

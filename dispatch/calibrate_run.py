@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from dispatch import calibrate_bench as bench
-from dispatch.calibrate_plan import NOISE, Plan, Series, classes, fit, held_out_ms, rank, to_bisect
+from dispatch.calibrate_plan import NOISE, Plan, Series, classes, fit, held_out_ms, held_out_sizes, rank, to_bisect
 from dispatch.registry import backends
 
 
@@ -31,6 +31,13 @@ class Run:
         self.stopped = False
         self.entries: dict[tuple, dict] = {_key(e): e for e in (previous or {}).get("entries", [])}
         self.used: set[str] = set((previous or {}).get("backends", {}))
+        # seconds spent per backend: "check" (parity gate, first-call compiles included) and "time"
+        self.cost: dict[str, dict[str, float]] = {}
+        self.held_sizes: list[dict] = list((previous or {}).get("held_out_sizes", []))
+
+    def _spent(self, name: str, what: str, since: float) -> None:
+        entry = self.cost.setdefault(name, {"check": 0.0, "time": 0.0})
+        entry[what] += time.monotonic() - since
 
     def over(self) -> bool:
         if time.monotonic() - self.start > self.plan.budget_s:
@@ -74,13 +81,21 @@ class Run:
         )
         point: dict = {"m": case.m, "ms": {}, "err": {}, "rejected": {}}
         try:
+            start = time.monotonic()
             inp = bench.make_inputs(case, zlib.crc32(repr(case).encode()))
             refs = bench.reference(case, inp)
             eager = bench.run_once("eager", case, inp)
-            passed = [n for n in names if self._gate(n, case, inp, refs, eager, point)]
+            self._spent("reference", "check", start)
+            passed = []
+            for name in names:
+                start = time.monotonic()
+                if self._gate(name, case, inp, refs, eager, point):
+                    passed.append(name)
+                self._spent(name, "check", start)
             del refs, eager
             for name in passed:
                 self.bar.set_postfix_str(name, refresh=True)
+                start = time.monotonic()
                 fn, leaves = bench.timer(name, case, inp)
                 try:
                     point["ms"][name] = float(
@@ -88,6 +103,7 @@ class Run:
                     )
                 except Exception as exc:
                     point["rejected"][name] = bench.failure(exc)
+                self._spent(name, "time", start)
         except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
             point["skipped"] = bench.failure(exc)
         self.used.update(point["ms"])
@@ -95,18 +111,37 @@ class Run:
             torch.cuda.empty_cache()
         return point
 
-    def check_member(self, case: bench.Case, rep_point: dict) -> dict:
-        """A member shares its representative's timings; backends are parity-checked for it best first
-        until one passes, which is the member's pick by the same rule."""
-        ms = dict(rep_point["ms"])
-        point: dict = {"m": case.m, "ms": ms, "err": {}, "rejected": {}}
-        if ms:
-            inp = bench.make_inputs(case, zlib.crc32(repr(case).encode()))
-            refs = bench.reference(case, inp)
-            eager = bench.run_once("eager", case, inp)
-            while ms and not self._gate(rank(ms)[0], case, inp, refs, eager, point):
-                del ms[rank(ms)[0]]
-        return point
+    def check_member(self, s: Series, act: str, features: tuple[int, ...], rep_points: list[dict]) -> list[dict]:
+        """A member shares its representative's timings. Each run of consecutive points with one
+        winner (a segment) is parity-checked for the member at its largest M, where accumulated error
+        is largest; a winner that fails there leaves that run's points and the next best is checked,
+        until every run's winner has passed."""
+        points = [{**p, "ms": dict(p["ms"]), "err": {}, "rejected": {}} for p in rep_points]
+        checked: set[tuple[str, int]] = set()
+        while True:
+            runs: list[list[dict]] = []
+            for p in (p for p in points if p["ms"]):
+                if runs and rank(runs[-1][-1]["ms"])[0] == rank(p["ms"])[0]:
+                    runs[-1].append(p)
+                else:
+                    runs.append([p])
+            todo = [(rank(r[-1]["ms"])[0], r) for r in runs if (rank(r[-1]["ms"])[0], r[-1]["m"]) not in checked]
+            if not todo:
+                return points
+            for pick, run in todo:
+                probe = run[-1]
+                case = self.case(s, act, probe["m"], features)
+                inp = bench.make_inputs(case, zlib.crc32(repr(case).encode()))
+                refs = bench.reference(case, inp)
+                eager = bench.run_once("eager", case, inp)
+                start = time.monotonic()
+                ok = self._gate(pick, case, inp, refs, eager, probe)
+                self._spent(pick, "check", start)
+                checked.add((pick, probe["m"]))
+                if not ok:
+                    for p in run:
+                        p["ms"].pop(pick, None)
+                        p["rejected"].setdefault(pick, probe["rejected"][pick])
 
     def series(self, s: Series, features: tuple[int, ...]) -> None:
         """Coarse grid, bisection where the winner changes, held-out points; members share the result
@@ -161,18 +196,36 @@ class Run:
             self.entries[_key(e)] = e
 
     def members(self) -> None:
-        """Full runs, after every representative: parity-check each member at each measured point."""
+        """Full runs, after every representative: parity-check each member (``check_member``)."""
         for key, e in list(self.entries.items()):
             rep = self.entries.get((*key[:2], e["measured_as"], *key[3:]))
             if e["parity_checked"] or rep is None or self.over():
                 continue
             s = Series(e["op"], getattr(torch, e["dtype"]), e["mode"], e["dropout"], e["measured_as"])
             feats = tuple(e["features"])
-            checked = [
-                self.check_member(self.case(s, e["activation"], p["m"], feats), p) for p in rep["points"]
-            ]
-            self.add(s, e["activation"], feats, checked, [], True)
+            self.add(s, e["activation"], feats, self.check_member(s, e["activation"], feats, rep["points"]), [], True)
             self.bar.update()
+
+    def held_out_at_other_sizes(self, series: list[Series]) -> None:
+        """The self-check's points at feature sizes the plan does not measure (held_out_sizes): what
+        the nearest-size lookup costs is measured, not assumed."""
+        for s in series:
+            for features, m in held_out_sizes(self.plan, s):
+                if self.over():
+                    return
+                case = self.case(s, s.rep, m, features)
+                self.held_sizes.append(
+                    {
+                        "op": s.op,
+                        "dtype": str(s.dtype).removeprefix("torch."),
+                        "activation": s.rep,
+                        "mode": s.mode,
+                        "dropout": s.dropout,
+                        "features": list(features),
+                        "point": self.measure(case, self.names(case)),
+                    }
+                )
+                self.bar.update()
 
     def probe(
         self, op: str, dtype: torch.dtype, mode: str, dropout: bool, acts: tuple[str, ...]

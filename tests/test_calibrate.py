@@ -150,7 +150,13 @@ def test_full_mode_probe_splits_an_activation_of_other_cost(user_dir, fake_backe
     measured = {e["activation"]: e["measured_as"] for e in doc["entries"] if not e["dropout"]}
     assert measured == {"gelu": "gelu", "gelu_tanh": "gelu", "silu": "silu"}
     member = next(e for e in doc["entries"] if e["activation"] == "gelu_tanh" and not e["dropout"])
-    assert member["parity_checked"] and all(p["err"] for p in member["points"])
+    assert member["parity_checked"] and all(seg["errors"] for seg in member["segments"])
+    assert any(p["err"] for p in member["points"])
+    # the self-check also measured each series once at a real-model size that was not measured
+    reps = [e for e in doc["entries"] if e["activation"] == e["measured_as"]]
+    assert len(doc["held_out_sizes"]) == len(reps) and all(h["features"] != [32] for h in doc["held_out_sizes"])
+    assert all(h["point"]["ms"] for h in doc["held_out_sizes"])
+    assert doc["self_check"]["points"] == len(reps) + sum(len(e["held_out"]) for e in reps)
 
 
 def test_tiny_real_run_on_cpu(user_dir, capsys):
@@ -258,3 +264,67 @@ def test_small_calibration_on_gpu(user_dir, capsys):
         for p in e["points"]:
             assert set(p["ms"]) <= set(p["err"]) or not e["parity_checked"]  # timed only after the gate
     assert "self-check" in capsys.readouterr().out
+
+
+def test_warm_up_groups_calls_by_kind_and_fills_the_compile_cache(tmp_path, monkeypatch):
+    """Calls of one kind (backend, op, dtype, activation, mode, dropout, features) stay in one worker,
+    so no two workers compile the same graph; a worker's compile lands in inductor's on-disk cache."""
+    from dispatch import calibrate_warm
+
+    calls = [
+        ["inductor", "bias_act_dropout", "float32", act, False, False, m, [n]]
+        for act in ("gelu", "relu")
+        for n in (8, 16, 24)
+        for m in (1, 4, 64)
+    ]
+    chunks = calibrate_warm._chunks(calls, 4)
+    assert sorted(map(tuple, sum(chunks, []))) == sorted(map(tuple, calls))
+    owner = {}
+    for i, chunk in enumerate(chunks):
+        for c in chunk:
+            assert owner.setdefault((c[3], c[7][0]), i) == i
+    assert max(map(len, chunks)) - min(map(len, chunks)) <= 3  # six kinds of three calls over 4 workers
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    one = [["inductor", "bias_act_dropout", "float32", "relu", False, False, 4, [8]]]
+    summary = calibrate_warm.warm(one, 2, 300, torch.device("cpu"))
+    assert summary["calls"] == 1 and summary["workers"] == 1, summary
+    assert summary["failed_calls"] == 0 and summary["workers_stopped_at_deadline"] == 0, summary
+    assert any(p.is_file() for p in (tmp_path / "inductor").rglob("*"))
+
+
+def test_member_check_drops_a_failing_winner_from_its_segment(monkeypatch):
+    """A member is checked once per run of equal winners, at its largest M; a winner failing there
+    leaves every point of that run and the next best is checked in turn."""
+    from tqdm import tqdm
+
+    from dispatch.calibrate_plan import Series, default_plan
+    from dispatch.calibrate_run import Run
+
+    run = Run(default_plan(torch.device("cpu"), True, None), None, tqdm(disable=True))
+    monkeypatch.setattr(calibrate_bench, "make_inputs", lambda case, seed: None)
+    monkeypatch.setattr(calibrate_bench, "reference", lambda case, inp: None)
+    monkeypatch.setattr(calibrate_bench, "run_once", lambda name, case, inp: None)
+    gated = []
+
+    def gate(name, case, inp, refs, eager, point):
+        gated.append((name, case.m))
+        if name == "flat":  # wrong for this member
+            point["rejected"][name] = "max error 9x the tolerance"
+            return False
+        point["err"][name] = 1e-6
+        return True
+
+    monkeypatch.setattr(run, "_gate", gate)
+    ms = [
+        {"flat": 1.0, "eager": 2.0, "slow": 1.5},
+        {"flat": 1.0, "eager": 2.0, "slow": 3.0},
+        {"flat": 3.0, "eager": 1.0, "slow": 4.0},
+    ]
+    rep = [{"m": m, "ms": t, "err": {}, "rejected": {}} for m, t in zip((1, 16, 256), ms)]
+    s = Series("bias_act_dropout", torch.float32, "inference", False, "gelu")
+    points = run.check_member(s, "silu", (32,), rep)
+    assert [rank(p["ms"])[0] for p in points] == ["slow", "eager", "eager"]
+    assert gated == [("flat", 16), ("eager", 256), ("slow", 1)]  # eager's run now spans 16..256
+    assert all("flat" in p["rejected"] for p in points[:2]) and "flat" in points[2]["ms"]
+    assert rep[0]["ms"] == ms[0]  # the representative's points are left as they were

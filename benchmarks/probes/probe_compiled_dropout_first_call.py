@@ -14,6 +14,8 @@ grad 0, dropped ones with grad != 0, NaNs, rows involved, whether the second bac
 whether grad_x equals eager's where it is not zero.
 
     PYTHONPATH=. python3 benchmarks/probes/probe_compiled_dropout_first_call.py [--repeats 2] [--jobs 6]
+    ... --pytest   the same cases inside pytest processes (as the failing test ran: its per-test seed,
+                   pytest's log capture on or off with -p no:logging, one case or all four per process)
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ P = 0.1
 SEED = 20261130
 
 
-def worker(backend: str, dtype_name: str, warm: bool, sync: bool, device: str) -> list[dict]:
+def worker(backend: str, dtype_name: str, warm: bool, sync: bool, device: str, seed: int = SEED) -> list[dict]:
     import torch
 
     from dispatch import fused_bias_act_dropout
@@ -42,7 +44,7 @@ def worker(backend: str, dtype_name: str, warm: bool, sync: bool, device: str) -
     b = backends()[backend]
     object.__setattr__(b, "extra_reasons", lambda call, explicit: [])  # lift the CUDA refusal
     dtype = getattr(torch, dtype_name)
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
 
     def gen() -> torch.Generator:
         return torch.Generator(device).manual_seed(SEED + 1)
@@ -94,6 +96,60 @@ def worker(backend: str, dtype_name: str, warm: bool, sync: bool, device: str) -
     return out
 
 
+PYTEST_FILE = """
+import json, os, sys, zlib
+import pytest, torch
+sys.path.insert(0, {probes!r})
+from probe_compiled_dropout_first_call import worker
+
+@pytest.mark.parametrize("backend", ("nvfuser", "inductor"))
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_masks(backend, dtype):
+    i = ("float32", "bfloat16").index(dtype)
+    nodeid = f"tests/test_compiled_backends.py::test_compiled_dropout_masks_gpu[dtype{{i}}-{{backend}}]"
+    recs = worker(backend, dtype, False, False, "cuda" if torch.cuda.is_available() else "cpu", zlib.crc32(nodeid.encode()))
+    print("RESULT", json.dumps(recs))
+    bad = [r for r in recs if not (r["fwd_ok"] and r["bwd_ok"] and r["bwd2_ok"] and r["gx_eq_eager"])]
+    assert not bad, bad
+"""
+
+
+def run_pytest(args) -> None:
+    """The cases as pytest tests: one case per process or all four in one, log capture on or off."""
+    import tempfile
+
+    from tabulate import tabulate
+
+    folder = tempfile.mkdtemp(prefix="probe-dropout-")
+    path = os.path.join(folder, "test_probe_masks.py")
+    with open(path, "w") as f:
+        f.write(PYTEST_FILE.format(probes=os.path.dirname(os.path.abspath(__file__))))
+    runs = []
+    for rep in range(args.repeats):
+        for logging_on in (True, False):
+            runs.append((rep, logging_on, None))  # all four cases, in file order
+            for backend in args.backends.split(","):
+                for dtype in ("float32", "bfloat16"):
+                    runs.append((rep, logging_on, f"{backend} and {dtype}"))
+
+    def launch(run):
+        rep, logging_on, k = run
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", path]
+        cmd += [] if logging_on else ["-p", "no:logging"]
+        cmd += ["-k", k] if k else []
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=folder, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        tail = [ln for ln in proc.stdout.splitlines() if "passed" in ln or "failed" in ln][-1:]
+        fails = [ln[:400] for ln in proc.stdout.splitlines() if ln.startswith("FAILED")]
+        return run, proc.returncode, (tail[0] if tail else proc.stdout[-300:]), fails
+
+    rows = []
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for (rep, logging_on, k), rc, tail, fails in pool.map(launch, runs):
+            rows.append([rep, "on" if logging_on else "off", k or "all four", rc, tail, " | ".join(fails)])
+    print(tabulate(rows, headers=["rep", "log capture", "cases", "rc", "summary", "failures"]))
+    print(f"{sum(r[3] != 0 for r in rows)} of {len(rows)} pytest processes failed")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", nargs=4, metavar=("BACKEND", "DTYPE", "WARM", "SYNC"))
@@ -101,7 +157,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--jobs", type=int, default=6)
     ap.add_argument("--backends", default="nvfuser,inductor")
+    ap.add_argument("--pytest", action="store_true", help="run the cases inside pytest processes")
     args = ap.parse_args()
+    if args.pytest:
+        run_pytest(args)
+        return
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
