@@ -41,7 +41,7 @@ for arg in "$@"; do
     alltests) stage alltests "$limit" python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests ;;
     fwd_variants) stage fwd_variants "$limit" python3 benchmarks/probes/fwd_variants.py ;;
     dropout_first_call) stage dropout_first_call "$limit" python3 benchmarks/probes/probe_compiled_dropout_first_call.py --repeats 2 --jobs 8 ;;
-    dropout_pytest) stage dropout_pytest "$limit" python3 benchmarks/probes/probe_compiled_dropout_first_call.py --pytest --repeats 2 --jobs 8 ;;
+    dropout_pytest) stage dropout_pytest "$limit" python3 benchmarks/probes/probe_compiled_dropout_first_call.py --pytest --repeats ${REPEATS:-1} --jobs 8 ;;
     nvfuser_probe) stage nvfuser_probe "$limit" python3 benchmarks/probes/probe_nvfuser_dropout.py ;;
     bench_overhead_quick) stage bench_overhead_quick "$limit" env DISPATCH_HEURISTICS_DIR="$(mktemp -d)" python3 benchmarks/bench_dispatch_overhead.py --quick --out "$R" ;;
     bench_bad) stage bench_bad "$limit" python3 benchmarks/bench_bias_act_dropout.py --out "$R" ;;
@@ -54,6 +54,7 @@ for arg in "$@"; do
     bench_e2e_quick) stage bench_e2e_quick "$limit" python3 benchmarks/bench_e2e.py --quick --out "$R" ;;
     parity) stage parity "$limit" python3 -m dispatch.parity --quick ;;
     calibrate) stage calibrate "$limit" python3 -m dispatch.calibrate --budget $((limit - 30)) --out "$R/nvidia-h200.json" ;;
+    calibrate_resume) cp "${RESUME_FROM:?}" "$R/nvidia-h200.json"; stage calibrate_resume "$limit" python3 -m dispatch.calibrate --resume --budget $((limit - 30)) --out "$R/nvidia-h200.json" ;;
     calibrate_quick) stage calibrate_quick "$limit" python3 -m dispatch.calibrate --quick --out "$R/nvidia-h200.json" ;;
     table) stage table "$limit" python3 -m dispatch.table --gpu "$R/nvidia-h200.json" ;;
     *) echo "unknown stage $name" ;;

@@ -201,8 +201,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if e["activation"] == e["measured_as"]
         }
         todo = [(s, f) for s, f in work if (s.op, str(s.dtype)[6:], s.mode, s.dropout, s.rep, f) not in done]
-        series = list({id(s): s for s, _ in todo}.values())
-        warmed = _warm(args, plan, run, todo + [(s, f) for s in series for f, _ in held_out_sizes(plan, s)], bar)
+        series = list({id(s): s for s, _ in work}.values())
+        # what the run will compile: the series left, every series again if members are left to check
+        # (a resumed run on a fresh machine), and the self-check's unmeasured sizes
+        ahead = list(todo) if plan.quick or not any(not e["parity_checked"] for e in run.entries.values()) else list(work)
+        if plan.held_out_sizes and not run.held_sizes:
+            ahead += [(s, f) for s in series for f, _ in held_out_sizes(plan, s)]
+        warmed = _warm(args, plan, run, ahead, bar)
         bar.reset(total=len(todo))
         bar.unit = "series"
         for s, features in todo:
