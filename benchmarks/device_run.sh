@@ -42,6 +42,7 @@ for arg in "$@"; do
     fwd_variants) stage fwd_variants "$limit" python3 benchmarks/probes/fwd_variants.py ;;
     dropout_first_call) stage dropout_first_call "$limit" python3 benchmarks/probes/probe_compiled_dropout_first_call.py --repeats 2 --jobs 8 ;;
     dropout_pytest) stage dropout_pytest "$limit" python3 benchmarks/probes/probe_compiled_dropout_first_call.py --pytest --repeats ${REPEATS:-1} --jobs 8 ;;
+    dropout_seed) stage dropout_seed "$limit" bash -c 'for seed in 1110409946 1939550148; do python3 benchmarks/probes/probe_compiled_dropout_first_call.py --worker eager float32 0 0 --seed $seed; done' ;;
     nvfuser_probe) stage nvfuser_probe "$limit" python3 benchmarks/probes/probe_nvfuser_dropout.py ;;
     bench_overhead_quick) stage bench_overhead_quick "$limit" env DISPATCH_HEURISTICS_DIR="$(mktemp -d)" python3 benchmarks/bench_dispatch_overhead.py --quick --out "$R" ;;
     bench_bad) stage bench_bad "$limit" python3 benchmarks/bench_bias_act_dropout.py --out "$R" ;;

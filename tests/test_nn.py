@@ -252,7 +252,7 @@ def test_cuda_graph_replays_draw_new_masks(monkeypatch):
     with torch.no_grad():
         module.bias.uniform_(2.0, 3.0)  # gelu(x + b) > 0 here, so zeros in y are the dropped elements
     x = torch.rand(256, 512, device="cuda", requires_grad=True)
-    grad_y = torch.randn(256, 512, device="cuda")
+    grad_y = torch.rand(256, 512, device="cuda") + 0.5  # never 0, so zeros in grad_x are dropped elements
 
     def step():
         y = module(x)

@@ -20,12 +20,6 @@ from dispatch.registry import Backend, Call, register
 
 
 def _extra_reasons(call: Call, explicit: bool) -> list[str]:
-    # H200, torch 2.11, 2026-11-30: the backward with dropout gave grad_x a zero pattern other than the
-    # forward's mask in some runs (float32, then bfloat16; the former test_compiled_dropout_masks_gpu),
-    # like nvfuser's: refused until that is understood.
-    if call.device.type == "cuda" and call.dropout:
-        return ["inductor's backward with dropout did not always reuse the forward's mask on CUDA (seen on "
-                "H200, torch 2.11); dropout calls on CUDA go to another backend"]
     if call.device.type == "cuda":
         from torch.utils._triton import has_triton
 

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from dispatch.activations import ACTIVATION_NAMES
-from dispatch.registry import Backend, Call, register
+from dispatch.registry import Backend, register
 
 
 def _unavailable() -> Optional[str]:
@@ -32,17 +32,6 @@ def _unavailable() -> Optional[str]:
     if not hasattr(torch.jit, "script"):
         return "nvfuser needs TorchScript (torch.jit.script), which this torch build lacks"
     return None
-
-
-def _extra_reasons(call: Call, explicit: bool) -> list[str]:
-    # On the H200 (torch 2.11, 2026-11-30) the float32 backward with dropout gave grad_x a zero pattern
-    # other than the forward's mask (test_compiled_dropout_masks_gpu), for nvfuser and inductor alike,
-    # although benchmarks/probes/probe_nvfuser_dropout.py passed every case: until that is understood,
-    # dropout on CUDA goes to another backend.
-    if call.dropout and call.device.type == "cuda":
-        return ["nvfuser's NNC-fused backward with dropout gave wrong gradients on CUDA (seen on H200, "
-                "torch 2.11); dropout calls on CUDA go to another backend"]
-    return []
 
 
 def _label() -> str:
@@ -66,7 +55,6 @@ def _register() -> Backend:
             summary="functorch memory_efficient_fusion compiled by TorchScript (NNC fuser on CUDA)",
             unavailable=_unavailable,
             label=_label,
-            extra_reasons=_extra_reasons,
         )
     )
 

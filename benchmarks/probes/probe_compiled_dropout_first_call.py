@@ -77,6 +77,9 @@ def worker(backend: str, dtype_name: str, warm: bool, sync: bool, device: str, s
             "bwd2_ok": bool(torch.equal(gx2 != 0, keep)),
             "y_eq_eager": bool(torch.equal(y, ey)),
             "gx_eq_eager": bool(torch.equal(gx, egx)),
+            "eager_bwd_ok": bool(torch.equal(egx != 0, keep)),
+            "x_zeros": int((x == 0).sum()),
+            "grad_y_zeros": int((g == 0).sum()),
         }
         if not rec["bwd_ok"]:
             bad = bwd != keep
@@ -154,6 +157,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", nargs=4, metavar=("BACKEND", "DTYPE", "WARM", "SYNC"))
     ap.add_argument("--device", default=None)
+    ap.add_argument("--seed", type=int, default=SEED, help="worker: torch.manual_seed for the data")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--jobs", type=int, default=6)
     ap.add_argument("--backends", default="nvfuser,inductor")
@@ -167,7 +171,7 @@ def main() -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.worker:
         backend, dtype, warm, sync = args.worker
-        print(json.dumps(worker(backend, dtype, warm == "1", sync == "1", device)))
+        print(json.dumps(worker(backend, dtype, warm == "1", sync == "1", device, args.seed)))
         return
 
     cases = list(
