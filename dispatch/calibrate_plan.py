@@ -131,14 +131,22 @@ def spread(items: list) -> list:
 
 
 def classes(op: str, activations: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """The static classes of ``op`` restricted to ``activations``; the first name is measured."""
-    out = []
-    for cls in CLASSES[op]:
-        kept = tuple(a for a in cls if a in activations)
-        if kept:
-            out.append(kept)
+    """The static classes of ``op`` restricted to ``activations``; the first name is measured. A class
+    is split further by which backends declare the activation (cuBLASLt's epilogues exist for relu and
+    gelu_tanh only): activations sharing timings must be served by the same set of backends."""
+    from dispatch.registry import backends
+
+    def servers(act: str) -> frozenset[str]:
+        return frozenset(n for n, b in backends().items() if op in b.ops and act in b.activations)
+
     listed = {a for cls in CLASSES[op] for a in cls}
-    out.extend((a,) for a in activations if a not in listed)
+    out: list[tuple[str, ...]] = []
+    for cls in [*CLASSES[op], *((a,) for a in activations if a not in listed)]:
+        groups: dict[frozenset[str], list[str]] = {}
+        for a in cls:
+            if a in activations:
+                groups.setdefault(servers(a), []).append(a)
+        out.extend(tuple(g) for g in groups.values())
     return out
 
 

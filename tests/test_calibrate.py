@@ -328,3 +328,16 @@ def test_member_check_drops_a_failing_winner_from_its_segment(monkeypatch):
     assert gated == [("flat", 16), ("eager", 256), ("slow", 1)]  # eager's run now spans 16..256
     assert all("flat" in p["rejected"] for p in points[:2]) and "flat" in points[2]["ms"]
     assert rep[0]["ms"] == ms[0]  # the representative's points are left as they were
+
+
+def test_activation_classes_split_by_the_backends_that_serve_them():
+    """fused_linear's pointwise class would share gelu's timings with relu and gelu_tanh, which
+    cuBLASLt also serves: they form their own class, measured apart."""
+    from dispatch.calibrate_plan import classes
+
+    fl = classes("fused_linear", tuple(calibrate.ACTIVATION_NAMES))
+    assert ("identity",) in fl and ("relu", "gelu_tanh") in fl
+    assert ("gelu", "leaky_relu", "squared_relu", "silu") in fl
+    assert sorted(a for cls in fl for a in cls) == sorted(calibrate.ACTIVATION_NAMES)
+    assert classes("fused_linear", ("silu", "relu")) == [("relu",), ("silu",)]
+    assert classes("bias_act_dropout", ("gelu", "silu")) == [("gelu", "silu")]
