@@ -82,7 +82,7 @@ def test_fused_linear_initializes_like_linear():
     torch.testing.assert_close(module.bias, linear.bias, rtol=0, atol=0)
     # kaiming_uniform(a=sqrt(5)) and the bias rule both give U(-1/sqrt(fan_in), 1/sqrt(fan_in))
     bound = 1.0 / math.sqrt(256)
-    for p in (module.weight, module.bias):
+    for p in (module.weight.detach(), module.bias.detach()):
         assert p.abs().max() <= bound
         std = bound / math.sqrt(3.0)
         assert abs(float(p.std()) - std) < 5 * std / math.sqrt(2 * p.numel()) + 1e-3 * std
