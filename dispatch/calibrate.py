@@ -10,7 +10,10 @@ The table is written atomically as JSON; the run ends with the choice tables and
 held-out measured points. ``--budget`` stops measuring gracefully: what was measured is written.
 
     python -m dispatch.calibrate --quick                      # ~2 min on an H200, < 3 min on 2 CPU cores
-    python -m dispatch.calibrate --out heuristics/tables/nvidia-h200.json   # full, ~10 min on an H200
+    python -m dispatch.calibrate --out heuristics/tables/nvidia-h200.json   # full: 741 s on an H200 (two runs)
+
+On a GPU the calls the run will make are first compiled by worker processes into inductor's and
+Triton's on-disk caches (``--warm-workers``, dispatch.calibrate_warm).
 """
 
 from __future__ import annotations
