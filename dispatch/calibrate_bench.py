@@ -8,6 +8,7 @@ the cached decision and the autograd glue cost the same ~us for every backend).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -193,11 +194,52 @@ def timer(name: str, case: Case, inp: Inputs) -> tuple[Callable[[], object], lis
     return step, leaves
 
 
+ROUNDS = 3  # interleaved timing rounds per point (time_all)
+
+
+def time_all(
+    timers: dict[str, tuple[Callable[[], object], list[Tensor]]],
+    device: torch.device,
+    quick: bool,
+    training: bool,
+) -> tuple[dict[str, object], dict[str, float]]:
+    """Each backend's median milliseconds over ``ROUNDS`` interleaved rounds (A B C, B C A, C A B), each
+    round a third of ``time_ms``'s time: a slow phase of the host or the GPU (the H200 host swings by
+    2x for seconds) then hits every backend alike instead of the one being timed. A backend whose
+    timing raised gets its exception instead of a number. Also returns the seconds spent on each."""
+    per: dict[str, list[float]] = {name: [] for name in timers}
+    out: dict[str, object] = {}
+    spent = dict.fromkeys(timers, 0.0)
+    names = list(timers)
+    for r in range(ROUNDS):
+        shift = r % max(len(names), 1)
+        for name in names[shift:] + names[:shift]:
+            if name in out:
+                continue
+            fn, leaves = timers[name]
+            start = time.monotonic()
+            try:
+                per[name].append(time_ms(fn, leaves, device, quick, training, 1.0 / ROUNDS))
+            except Exception as exc:
+                out[name] = exc
+            spent[name] += time.monotonic() - start
+    for name, times in per.items():
+        if name not in out:
+            out[name] = statistics.median(times)
+    return out, spent
+
+
 def time_ms(
-    fn: Callable[[], object], grad_to_none: list[Tensor], device: torch.device, quick: bool, training: bool
+    fn: Callable[[], object],
+    grad_to_none: list[Tensor],
+    device: torch.device,
+    quick: bool,
+    training: bool,
+    share: float = 1.0,
 ) -> float:
-    """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on CUDA (it flushes the L2 between
-    runs, so small shapes are not flattered by the cache), a perf_counter median on CPU."""
+    """Median milliseconds of ``fn`` over ``share`` of the usual time: ``triton.testing.do_bench`` on
+    CUDA (it flushes the L2 between runs, so small shapes are not flattered by the cache), a
+    perf_counter median on CPU."""
     with torch.set_grad_enabled(training):
         if device.type == "cuda":
             import triton.testing
@@ -205,11 +247,11 @@ def time_ms(
             warmup, rep = (3, 10) if quick else (5, 15)
             return float(
                 triton.testing.do_bench(
-                    fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"
+                    fn, warmup=warmup * share, rep=rep * share, grad_to_none=grad_to_none, return_mode="median"
                 )
             )
         times: list[float] = []  # no warm-up call: check() has just run this backend at this shape
-        budget = 0.1 if quick else 0.3
+        budget = (0.1 if quick else 0.3) * share
         while len(times) < 3 or (len(times) < 50 and sum(times) < budget * 1e3):
             for t in grad_to_none:
                 t.grad = None

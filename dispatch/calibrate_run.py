@@ -93,17 +93,15 @@ class Run:
                     passed.append(name)
                 self._spent(name, "check", start)
             del refs, eager
-            for name in passed:
-                self.bar.set_postfix_str(name, refresh=True)
-                start = time.monotonic()
-                fn, leaves = bench.timer(name, case, inp)
-                try:
-                    point["ms"][name] = float(
-                        f"{bench.time_ms(fn, leaves, case.device, self.plan.quick, case.training):.5g}"
-                    )
-                except Exception as exc:
-                    point["rejected"][name] = bench.failure(exc)
-                self._spent(name, "time", start)
+            self.bar.set_postfix_str(", ".join(passed), refresh=True)
+            timers = {name: bench.timer(name, case, inp) for name in passed}
+            times, spent = bench.time_all(timers, case.device, self.plan.quick, case.training)
+            for name, ms in times.items():
+                if isinstance(ms, Exception):
+                    point["rejected"][name] = bench.failure(ms)
+                else:
+                    point["ms"][name] = float(f"{ms:.5g}")
+                self.cost.setdefault(name, {"check": 0.0, "time": 0.0})["time"] += spent[name]
         except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
             point["skipped"] = bench.failure(exc)
         self.used.update(point["ms"])

@@ -37,7 +37,7 @@ def fake_backends(monkeypatch):
     def timer(name, case, inp):
         return (name, case), []
 
-    def time_ms(fn, leaves, device, quick, training):
+    def time_ms(fn, leaves, device, quick, training, share=1.0):
         name, case = fn
         return cost[name](case.m) * extra.get(case.activation, 1.0)
 
@@ -341,3 +341,24 @@ def test_activation_classes_split_by_the_backends_that_serve_them():
     assert sorted(a for cls in fl for a in cls) == sorted(calibrate.ACTIVATION_NAMES)
     assert classes("fused_linear", ("silu", "relu")) == [("relu",), ("silu",)]
     assert classes("bias_act_dropout", ("gelu", "silu")) == [("gelu", "silu")]
+
+
+def test_timing_rounds_interleave_the_backends(monkeypatch):
+    """time_all times every backend once per round, rotating who goes first, and keeps the median of
+    its rounds; a backend whose timing raises is reported, the others still timed."""
+    calls = []
+    values = {"a": [3.0, 1.0, 2.0], "b": [5.0, 5.0, 9.0], "c": []}
+
+    def time_ms(fn, leaves, device, quick, training, share=1.0):
+        calls.append(fn)
+        assert share == pytest.approx(1 / calibrate_bench.ROUNDS)
+        if fn == "c":
+            raise RuntimeError("out of resources")
+        return values[fn][sum(c == fn for c in calls) - 1]
+
+    monkeypatch.setattr(calibrate_bench, "time_ms", time_ms)
+    timers = {name: (name, []) for name in "abc"}
+    times, spent = calibrate_bench.time_all(timers, torch.device("cpu"), True, False)
+    assert calls == ["a", "b", "c", "b", "a", "a", "b"]  # rounds a b c, b (c) a, (c) a b
+    assert times["a"] == 2.0 and times["b"] == 5.0 and isinstance(times["c"], RuntimeError)
+    assert set(spent) == {"a", "b", "c"}
