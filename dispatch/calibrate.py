@@ -13,7 +13,8 @@ held-out measured points. ``--budget`` stops measuring gracefully: what was meas
     python -m dispatch.calibrate --out heuristics/tables/nvidia-h200.json   # full: 741 s on an H200 (two runs)
 
 On a GPU the calls the run will make are first compiled by worker processes into inductor's and
-Triton's on-disk caches (``--warm-workers``, dispatch.calibrate_warm).
+Triton's on-disk caches, and the parity checks run there while this process only times
+(``--workers``, dispatch.calibrate_workers).
 """
 
 from __future__ import annotations
@@ -132,10 +133,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         "--probe", action="store_true", help="time every activation once; measure apart those that differ"
     )
     p.add_argument(
-        "--warm-workers",
+        "--workers",
         type=int,
-        help="processes compiling the JIT backends' calls ahead of measuring, into their on-disk caches "
-        "(default on GPU: CPU cores - 2, at most 12; 0 turns it off; never on CPU)",
+        help="processes that compile the JIT backends' calls ahead (into their on-disk caches) and run "
+        "the parity checks while this one only times (default on GPU: CPU cores - 2, at most 12; on "
+        "CPU 0: everything in this process)",
     )
     return p.parse_args(argv)
 
@@ -187,7 +189,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"calibrating {info['name']} ({info['slug']}) -> {out}; budget {plan.budget_s:.0f} s", file=sys.stderr
     )
     with tqdm(total=len(families), unit="family", file=sys.stderr, dynamic_ncols=True) as bar:
-        run = Run(plan, set(args.backends) if args.backends else None, bar, previous)
+        workers = _workers(args, plan)
+        run = Run(plan, set(args.backends) if args.backends else None, bar, previous, workers)
         groups = [run.probe(*fam, tuple(args.activations)) for fam in families]
         # breadth first, so a run stopped by its budget has every family at some feature size
         depth = max(map(len, plan.features.values()), default=0)
@@ -210,7 +213,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ahead = list(todo) if plan.quick or not any(not e["parity_checked"] for e in run.entries.values()) else list(work)
         if plan.held_out_sizes and not run.held_sizes:
             ahead += [(s, f) for s in series for f, _ in held_out_sizes(plan, s)]
-        warmed = _warm(args, plan, run, ahead, bar)
+        warmed = _warm(plan, run, ahead, bar)
         bar.reset(total=len(todo))
         bar.unit = "series"
         for s, features in todo:
@@ -218,14 +221,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 break
             run.series(s, features)
             bar.update()
-        if not plan.quick and not run.over():
-            bar.reset(total=sum(not e["parity_checked"] for e in run.entries.values()))
-            bar.unit = "member"
-            run.members()
         if plan.held_out_sizes and not run.over() and not run.held_sizes:
             bar.reset(total=len(series) * plan.held_out_sizes)
             bar.unit = "point"
             run.held_out_at_other_sizes(series)
+        checked = run.check_deferred(max(120.0, plan.budget_s / 4))  # even past the budget: unchecked
+        if not plan.quick and not run.over():  # timings never reach a table
+            bar.reset(total=sum(not e["parity_checked"] for e in run.entries.values()))
+            bar.unit = "member"
+            run.members()
     elapsed = time.monotonic() - run.start + (previous or {}).get("settings", {}).get("elapsed_s", 0.0)
     entries = sorted(
         run.entries.values(),
@@ -251,6 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "series_planned": len(work),
             "members_unchecked": sum(not e["parity_checked"] for e in entries),
             "warm_up": warmed,
+            "parallel_checks": checked,
             "seconds_by_backend": {
                 n: {k: round(v, 1) for k, v in c.items()} for n, c in sorted(run.cost.items())
             },
@@ -278,22 +283,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def _warm(args: argparse.Namespace, plan: Plan, run: Run, todo: list, bar: tqdm) -> Optional[dict]:
-    """On GPU, compile what the measuring will meet in parallel processes first (dispatch.calibrate_warm),
-    within a third of the budget; the time counts against the budget."""
-    workers = args.warm_workers
-    if workers is None:
-        workers = min(12, max((os.cpu_count() or 1) - 2, 0))
-    if plan.device.type != "cuda" or workers <= 0 or not todo:
-        return None
-    from dispatch import calibrate_warm
+def _workers(args: argparse.Namespace, plan: Plan) -> int:
+    if args.workers is not None:
+        return max(args.workers, 0)
+    return min(12, max((os.cpu_count() or 1) - 2, 0)) if plan.device.type == "cuda" else 0
 
-    calls = calibrate_warm.cases(todo, plan, run.only)
+
+def _warm(plan: Plan, run: Run, todo: list, bar: tqdm) -> Optional[dict]:
+    """With workers, compile what the measuring will meet in them first (dispatch.calibrate_workers),
+    within a third of the budget; the time counts against the budget."""
+    if not run.workers or not todo:
+        return None
+    from dispatch import calibrate_workers
+
+    calls = calibrate_workers.cases(todo, plan, run.only)
     if not calls:
         return None
-    bar.set_description_str(f"compiling {len(calls)} calls ahead in {workers} processes", False)
+    bar.set_description_str(f"compiling {len(calls)} calls ahead in {run.workers} processes", False)
     try:
-        return calibrate_warm.warm(calls, workers, plan.budget_s / 3, plan.device, bar)
+        return calibrate_workers.warm(calls, run.workers, plan.budget_s / 3, plan.device, bar)
     except OSError as exc:  # no processes to be had: measuring still works, only slower
         print(f"compiling ahead failed ({exc}); measuring compiles as it goes", file=sys.stderr)
         return None
@@ -305,6 +313,13 @@ def format_costs(settings: dict) -> str:
     w = settings.get("warm_up")
     if w:
         parts.append(f"compiling ahead {w['seconds']:.0f} s ({w['calls']} calls in {w['workers']} processes)")
+    c = settings.get("parallel_checks")
+    if c:
+        parts.append(
+            f"parity checks {c['seconds']:.0f} s ({c['points']} points in {c['workers']} processes"
+            + (f", {c['unfinished']} unfinished" if c["unfinished"] else "")
+            + ")"
+        )
     for name, c in settings.get("seconds_by_backend", {}).items():
         parts.append(f"{name} {c['check']:.0f} s checking + {c['time']:.0f} s timing")
     return "time spent: " + "; ".join(parts) if parts else ""

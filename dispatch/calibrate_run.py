@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from dispatch import calibrate_bench as bench
+from dispatch import calibrate_workers as workers_
 from dispatch.calibrate_plan import NOISE, Plan, Series, classes, fit, held_out_ms, held_out_sizes, rank, to_bisect
 from dispatch.registry import backends
 
@@ -24,9 +25,12 @@ class Run:
     """One calibration: the plan, the clock, the progress bar, and the entries measured so far."""
 
     def __init__(
-        self, plan: Plan, only: Optional[set[str]], bar: tqdm, previous: Optional[dict] = None
+        self, plan: Plan, only: Optional[set[str]], bar: tqdm, previous: Optional[dict] = None, workers: int = 0
     ) -> None:
         self.plan, self.only, self.bar = plan, only, bar
+        # with worker processes, points are timed now and parity-checked by the workers afterwards
+        # (check_deferred), before anything is fit for good; without, each point is checked first
+        self.workers = workers
         self.start = time.monotonic()
         self.stopped = False
         self.entries: dict[tuple, dict] = {_key(e): e for e in (previous or {}).get("entries", [])}
@@ -60,16 +64,18 @@ class Run:
     def _gate(
         self, name: str, case: bench.Case, inp: bench.Inputs, refs: list, eager: list, point: dict
     ) -> bool:
-        c = (
-            bench.compare(eager, refs, eager)
-            if name == "eager"
-            else bench.check(name, case, inp, refs, eager)
-        )
-        if c.ok:
-            point["err"][name] = float(f"{c.error:.3g}")
+        return self._verdict(point, name, workers_.gate(name, case, inp, refs, eager))
+
+    @staticmethod
+    def _verdict(point: dict, name: str, result: list) -> bool:
+        """Records a gate result ([passed, error, why]) in ``point``; a failed backend leaves its timings."""
+        ok, error, why = result
+        if ok:
+            point["err"][name] = error
         else:
-            point["rejected"][name] = c.failure or f"max error {max(c.ratios):.2f}x the tolerance"
-        return c.ok
+            point["ms"].pop(name, None)
+            point["rejected"][name] = why
+        return ok
 
     def measure(self, case: bench.Case, names: Sequence[str]) -> dict:
         """Parity-check each backend at this shape, then time those that passed."""
@@ -81,18 +87,19 @@ class Run:
         )
         point: dict = {"m": case.m, "ms": {}, "err": {}, "rejected": {}}
         try:
-            start = time.monotonic()
-            inp = bench.make_inputs(case, zlib.crc32(repr(case).encode()))
-            refs = bench.reference(case, inp)
-            eager = bench.run_once("eager", case, inp)
-            self._spent("reference", "check", start)
-            passed = []
-            for name in names:
+            if self.workers:
+                inp, passed = bench.make_inputs(case, zlib.crc32(repr(case).encode())), list(names)
+            else:
                 start = time.monotonic()
-                if self._gate(name, case, inp, refs, eager, point):
-                    passed.append(name)
-                self._spent(name, "check", start)
-            del refs, eager
+                inp, refs, eager = workers_.inputs(case)
+                self._spent("reference", "check", start)
+                passed = []
+                for name in names:
+                    start = time.monotonic()
+                    if self._gate(name, case, inp, refs, eager, point):
+                        passed.append(name)
+                    self._spent(name, "check", start)
+                del refs, eager
             self.bar.set_postfix_str(", ".join(passed), refresh=True)
             timers = {name: bench.timer(name, case, inp) for name in passed}
             times, spent = bench.time_all(timers, case.device, self.plan.quick, case.training)
@@ -102,6 +109,8 @@ class Run:
                 else:
                     point["ms"][name] = float(f"{ms:.5g}")
                 self.cost.setdefault(name, {"check": 0.0, "time": 0.0})["time"] += spent[name]
+            if self.workers:
+                point["unchecked"] = sorted(point["ms"])
         except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
             point["skipped"] = bench.failure(exc)
         self.used.update(point["ms"])
@@ -129,9 +138,7 @@ class Run:
             for pick, run in todo:
                 probe = run[-1]
                 case = self.case(s, act, probe["m"], features)
-                inp = bench.make_inputs(case, zlib.crc32(repr(case).encode()))
-                refs = bench.reference(case, inp)
-                eager = bench.run_once("eager", case, inp)
+                inp, refs, eager = workers_.inputs(case)
                 start = time.monotonic()
                 ok = self._gate(pick, case, inp, refs, eager, probe)
                 self._spent(pick, "check", start)
@@ -203,6 +210,44 @@ class Run:
             feats = tuple(e["features"])
             self.add(s, e["activation"], feats, self.check_member(s, e["activation"], feats, rep["points"]), [], True)
             self.bar.update()
+
+    def check_deferred(self, deadline_s: float) -> Optional[dict]:
+        """With workers: parity-check every timed point (fit points, held-out points) in the worker
+        processes, drop the backends that failed from those points, and refit every entry. A backend
+        whose check did not finish counts as failed there."""
+        pending: list[tuple[dict, dict]] = []
+        for e in self.entries.values():
+            for p in e["points"] + e["held_out"]:
+                if "unchecked" in p and e["activation"] == e["measured_as"]:
+                    pending.append((e, p))
+        pending += [(h, h["point"]) for h in self.held_sizes if "unchecked" in h["point"]]
+        if not pending:
+            return None
+        self.bar.reset(total=len(pending))
+        self.bar.unit = "point"
+        self.bar.set_description_str(f"parity checks in {self.workers} processes", False)
+        jobs = []
+        for i, (e, p) in enumerate(pending):
+            case = bench.Case(
+                e["op"], getattr(torch, e["dtype"]), e["activation"], e["mode"] == "training", e["dropout"],
+                p["m"], tuple(e["features"]), self.plan.device,
+            )
+            jobs.append([i, *workers_.case_job(case), p["unchecked"]])
+        results, summary = workers_.check(jobs, self.workers, deadline_s, self.plan.device, self.bar)
+        for i, (e, p) in enumerate(pending):
+            got = results.get(i, {})
+            for name in p.pop("unchecked"):
+                self._verdict(p, name, got.get(name, [False, None, "its parity check did not finish"]))
+        for key, e in list(self.entries.items()):
+            for p in e["points"]:
+                p.pop("unchecked", None)  # members' copies of their representative's points
+            segments = fit(e["points"])
+            if segments:
+                e["segments"] = segments
+            else:
+                del self.entries[key]
+        self.bar.update(len(pending))
+        return summary
 
     def held_out_at_other_sizes(self, series: list[Series]) -> None:
         """The self-check's points at feature sizes the plan does not measure (held_out_sizes): what

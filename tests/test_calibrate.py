@@ -269,7 +269,7 @@ def test_small_calibration_on_gpu(user_dir, capsys):
 def test_warm_up_groups_calls_by_kind_and_fills_the_compile_cache(tmp_path, monkeypatch):
     """Calls of one kind (backend, op, dtype, activation, mode, dropout, features) stay in one worker,
     so no two workers compile the same graph; a worker's compile lands in inductor's on-disk cache."""
-    from dispatch import calibrate_warm
+    from dispatch import calibrate_workers
 
     calls = [
         ["inductor", "bias_act_dropout", "float32", act, False, False, m, [n]]
@@ -277,7 +277,7 @@ def test_warm_up_groups_calls_by_kind_and_fills_the_compile_cache(tmp_path, monk
         for n in (8, 16, 24)
         for m in (1, 4, 64)
     ]
-    chunks = calibrate_warm._chunks(calls, 4)
+    chunks = calibrate_workers._chunks(calls, 4, lambda c: (c[3], c[7][0]))
     assert sorted(map(tuple, sum(chunks, []))) == sorted(map(tuple, calls))
     owner = {}
     for i, chunk in enumerate(chunks):
@@ -287,10 +287,63 @@ def test_warm_up_groups_calls_by_kind_and_fills_the_compile_cache(tmp_path, monk
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     one = [["inductor", "bias_act_dropout", "float32", "relu", False, False, 4, [8]]]
-    summary = calibrate_warm.warm(one, 2, 300, torch.device("cpu"))
+    summary = calibrate_workers.warm(one, 2, 300, torch.device("cpu"))
     assert summary["calls"] == 1 and summary["workers"] == 1, summary
     assert summary["failed_calls"] == 0 and summary["workers_stopped_at_deadline"] == 0, summary
     assert any(p.is_file() for p in (tmp_path / "inductor").rglob("*"))
+
+
+def test_parity_checks_in_worker_processes(user_dir):
+    """With --workers the run only times; every timed point is then parity-checked by a worker
+    process before the table is fit, and each timed backend carries its measured error."""
+    path = user_dir / "workers.json"
+    args = ["--quick", "--ops", "bias_act_dropout", "--dtypes", "float32", "--modes", "inference",
+            "--activations", "relu", "--features", "32", "--tokens", "1", "64", "--backends", "nvfuser",
+            "--workers", "1", "--out", str(path)]
+    assert calibrate.main(args) == 0
+    doc = json.loads(path.read_text())
+    checks = doc["settings"]["parallel_checks"]
+    points = [p for e in doc["entries"] if e["activation"] == e["measured_as"] for p in e["points"] + e["held_out"]]
+    assert checks["points"] == len(points) > 0 and checks["unfinished"] == 0, checks
+    for p in points:
+        assert "unchecked" not in p and p["ms"] and set(p["ms"]) == set(p["err"]), p
+        assert set(p["ms"]) == {"eager", "nvfuser"}, p
+
+
+def test_deferred_check_failures_leave_the_table(monkeypatch):
+    """A backend that fails its deferred parity check loses that point's timing, and the entry is
+    refit without it."""
+    from tqdm import tqdm
+
+    from dispatch import calibrate_workers
+    from dispatch.calibrate_plan import Series, default_plan
+    from dispatch.calibrate_run import Run
+
+    run = Run(default_plan(torch.device("cpu"), True, None), None, tqdm(disable=True), workers=2)
+    s = Series("bias_act_dropout", torch.float32, "inference", False, "gelu", ["silu"])
+    pts = [
+        {"m": m, "ms": {"eager": 2.0, "flat": 1.0}, "err": {}, "rejected": {}, "unchecked": ["eager", "flat"]}
+        for m in (1, 64)
+    ]
+    run.add(s, "gelu", (32,), pts, [], True)
+    run.add(s, "silu", (32,), [{**p, "err": {}, "rejected": {}} for p in pts], [], False)
+
+    def check(jobs, workers, deadline_s, device, bar=None):
+        assert workers == 2 and [j[6] for j in jobs] == [1, 64] and all(j[3] == "gelu" for j in jobs)
+        fail = {"flat": [False, None, "max error 4.00x the tolerance"], "eager": [True, 1e-7, ""]}
+        ok = {"flat": [True, 2e-7, ""], "eager": [True, 1e-7, ""]}
+        return {jobs[0][0]: ok, jobs[1][0]: fail}, {"points": 2, "workers": 1, "seconds": 0.0, "unfinished": 0}
+
+    monkeypatch.setattr(calibrate_workers, "check", check)
+    summary = run.check_deferred(60)
+    assert summary["points"] == 2
+    gelu = run.entries[("bias_act_dropout", "float32", "gelu", "inference", False, (32,))]
+    assert [seg["backend"] for seg in gelu["segments"]] == ["flat", "eager"]
+    assert gelu["points"][1]["rejected"] == {"flat": "max error 4.00x the tolerance"}
+    assert gelu["points"][0]["err"] == {"eager": 1e-7, "flat": 2e-7}
+    silu = run.entries[("bias_act_dropout", "float32", "silu", "inference", False, (32,))]
+    assert [seg["backend"] for seg in silu["segments"]] == ["flat", "eager"]  # shares the timings
+    assert all("unchecked" not in p for e in run.entries.values() for p in e["points"])
 
 
 def test_member_check_drops_a_failing_winner_from_its_segment(monkeypatch):
