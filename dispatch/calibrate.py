@@ -225,11 +225,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bar.reset(total=len(series) * plan.held_out_sizes)
             bar.unit = "point"
             run.held_out_at_other_sizes(series)
+        member_checks = None
         checked = run.check_deferred(max(120.0, plan.budget_s / 4))  # even past the budget: unchecked
         if not plan.quick and not run.over():  # timings never reach a table
             bar.reset(total=sum(not e["parity_checked"] for e in run.entries.values()))
             bar.unit = "member"
-            run.members()
+            member_checks = run.members()
     elapsed = time.monotonic() - run.start + (previous or {}).get("settings", {}).get("elapsed_s", 0.0)
     entries = sorted(
         run.entries.values(),
@@ -256,6 +257,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "members_unchecked": sum(not e["parity_checked"] for e in entries),
             "warm_up": warmed,
             "parallel_checks": checked,
+            "parallel_member_checks": member_checks,
             "seconds_by_backend": {
                 n: {k: round(v, 1) for k, v in c.items()} for n, c in sorted(run.cost.items())
             },
@@ -320,6 +322,9 @@ def format_costs(settings: dict) -> str:
             + (f", {c['unfinished']} unfinished" if c["unfinished"] else "")
             + ")"
         )
+    c = settings.get("parallel_member_checks")
+    if c:
+        parts.append(f"member checks {c['seconds']:.0f} s ({c['points']} segments in {c['workers']} processes)")
     for name, c in settings.get("seconds_by_backend", {}).items():
         parts.append(f"{name} {c['check']:.0f} s checking + {c['time']:.0f} s timing")
     return "time spent: " + "; ".join(parts) if parts else ""

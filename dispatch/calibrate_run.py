@@ -118,30 +118,46 @@ class Run:
             torch.cuda.empty_cache()
         return point
 
-    def check_member(self, s: Series, act: str, features: tuple[int, ...], rep_points: list[dict]) -> list[dict]:
+    @staticmethod
+    def _runs(points: list[dict]) -> list[list[dict]]:
+        """Consecutive points with one winner (the segments a fit would make), points without timings
+        left out."""
+        runs: list[list[dict]] = []
+        for p in (p for p in points if p["ms"]):
+            if runs and rank(runs[-1][-1]["ms"])[0] == rank(p["ms"])[0]:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        return runs
+
+    def check_member(
+        self,
+        s: Series,
+        act: str,
+        features: tuple[int, ...],
+        rep_points: list[dict],
+        known: Optional[dict[tuple[str, int], list]] = None,
+    ) -> list[dict]:
         """A member shares its representative's timings. Each run of consecutive points with one
         winner (a segment) is parity-checked for the member at its largest M, where accumulated error
         is largest; a winner that fails there leaves that run's points and the next best is checked,
-        until every run's winner has passed."""
+        until every run's winner has passed. ``known``: gate results already had, by (backend, M)."""
         points = [{**p, "ms": dict(p["ms"]), "err": {}, "rejected": {}} for p in rep_points]
         checked: set[tuple[str, int]] = set()
         while True:
-            runs: list[list[dict]] = []
-            for p in (p for p in points if p["ms"]):
-                if runs and rank(runs[-1][-1]["ms"])[0] == rank(p["ms"])[0]:
-                    runs[-1].append(p)
-                else:
-                    runs.append([p])
-            todo = [(rank(r[-1]["ms"])[0], r) for r in runs if (rank(r[-1]["ms"])[0], r[-1]["m"]) not in checked]
+            todo = [(rank(r[-1]["ms"])[0], r) for r in self._runs(points) if (rank(r[-1]["ms"])[0], r[-1]["m"]) not in checked]
             if not todo:
                 return points
             for pick, run in todo:
                 probe = run[-1]
-                case = self.case(s, act, probe["m"], features)
-                inp, refs, eager = workers_.inputs(case)
-                start = time.monotonic()
-                ok = self._gate(pick, case, inp, refs, eager, probe)
-                self._spent(pick, "check", start)
+                if known and (pick, probe["m"]) in known:
+                    ok = self._verdict(probe, pick, known[(pick, probe["m"])])
+                else:
+                    case = self.case(s, act, probe["m"], features)
+                    inp, refs, eager = workers_.inputs(case)
+                    start = time.monotonic()
+                    ok = self._gate(pick, case, inp, refs, eager, probe)
+                    self._spent(pick, "check", start)
                 checked.add((pick, probe["m"]))
                 if not ok:
                     for p in run:
@@ -200,16 +216,38 @@ class Run:
             }
             self.entries[_key(e)] = e
 
-    def members(self) -> None:
-        """Full runs, after every representative: parity-check each member (``check_member``)."""
+    def members(self) -> Optional[dict]:
+        """Full runs, after every representative: parity-check each member (``check_member``). With
+        workers, the first check of every segment runs in them, all at once; the rare fallback after
+        a failed pick runs here. Returns the workers' summary, if they ran."""
+        todo = []
         for key, e in list(self.entries.items()):
             rep = self.entries.get((*key[:2], e["measured_as"], *key[3:]))
-            if e["parity_checked"] or rep is None or self.over():
-                continue
-            s = Series(e["op"], getattr(torch, e["dtype"]), e["mode"], e["dropout"], e["measured_as"])
-            feats = tuple(e["features"])
-            self.add(s, e["activation"], feats, self.check_member(s, e["activation"], feats, rep["points"]), [], True)
+            if not e["parity_checked"] and rep is not None:
+                s = Series(e["op"], getattr(torch, e["dtype"]), e["mode"], e["dropout"], e["measured_as"])
+                todo.append((s, e["activation"], tuple(e["features"]), rep["points"]))
+        known: dict[tuple, list] = {}
+        summary = None
+        if self.workers and todo:
+            jobs, where = [], []
+            for s, act, feats, points in todo:
+                for run in self._runs(points):
+                    pick, m = rank(run[-1]["ms"])[0], run[-1]["m"]
+                    jobs.append([len(jobs), *workers_.case_job(self.case(s, act, m, feats)), [pick]])
+                    where.append((s.label, act, feats, pick, m))
+            self.bar.set_description_str(f"member checks in {self.workers} processes", False)
+            left = max(60.0, self.plan.budget_s - (time.monotonic() - self.start))
+            results, summary = workers_.check(jobs, self.workers, left, self.plan.device, self.bar)
+            for (label, act, feats, pick, m), job in zip(where, jobs):
+                if pick in results.get(job[0], {}):
+                    known[(label, act, feats, pick, m)] = results[job[0]][pick]
+        for s, act, feats, points in todo:
+            if self.over():
+                break
+            mine = {(pick, m): r for (label, a, f, pick, m), r in known.items() if (label, a, f) == (s.label, act, feats)}
+            self.add(s, act, feats, self.check_member(s, act, feats, points, mine), [], True)
             self.bar.update()
+        return summary
 
     def check_deferred(self, deadline_s: float) -> Optional[dict]:
         """With workers: parity-check every timed point (fit points, held-out points) in the worker

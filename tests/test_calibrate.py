@@ -415,3 +415,19 @@ def test_timing_rounds_interleave_the_backends(monkeypatch):
     assert calls == ["a", "b", "c", "b", "a", "a", "b"]  # rounds a b c, b (c) a, (c) a b
     assert times["a"] == 2.0 and times["b"] == 5.0 and isinstance(times["c"], RuntimeError)
     assert set(spent) == {"a", "b", "c"}
+
+
+def test_member_checks_in_worker_processes(user_dir):
+    """A full run with workers: the members' first check per segment runs in the workers, and every
+    member ends parity-checked with its error recorded."""
+    path = user_dir / "members.json"
+    args = ["--ops", "bias_act_dropout", "--dtypes", "float32", "--modes", "inference", "--activations",
+            "gelu", "silu", "--features", "32", "--tokens", "1", "64", "--backends", "nvfuser", "--workers", "1",
+            "--out", str(path)]
+    assert calibrate.main(args) == 0
+    doc = json.loads(path.read_text())
+    st = doc["settings"]
+    assert st["members_unchecked"] == 0 and st["parallel_member_checks"]["points"] >= 2, st
+    silu = [e for e in doc["entries"] if e["activation"] == "silu"]
+    assert silu and all(e["measured_as"] == "gelu" and e["parity_checked"] for e in silu)
+    assert all(seg["errors"] for e in silu for seg in e["segments"])
