@@ -319,7 +319,7 @@ def format_costs(settings: dict) -> str:
     if c:
         parts.append(
             f"parity checks {c['seconds']:.0f} s ({c['points']} points in {c['workers']} processes"
-            + (f", {c['unfinished']} unfinished" if c["unfinished"] else "")
+            + (f", {c['unfinished']} left to this process" if c["unfinished"] else "")
             + ")"
         )
     c = settings.get("parallel_member_checks")

@@ -272,10 +272,16 @@ class Run:
             )
             jobs.append([i, *workers_.case_job(case), p["unchecked"]])
         results, summary = workers_.check(jobs, self.workers, deadline_s, self.plan.device, self.bar)
+        redo = 0
         for i, (e, p) in enumerate(pending):
-            got = results.get(i, {})
-            for name in p.pop("unchecked"):
+            got = results.get(i)
+            names = p.pop("unchecked")
+            if got is None:  # the worker ran out of memory or time: checked here, as without workers
+                got = self._check_here(jobs[i], names)
+                redo += 1
+            for name in names:
                 self._verdict(p, name, got.get(name, [False, None, "its parity check did not finish"]))
+        summary["checked_in_this_process"] = redo
         for key, e in list(self.entries.items()):
             for p in e["points"]:
                 p.pop("unchecked", None)  # members' copies of their representative's points
@@ -286,6 +292,19 @@ class Run:
                 del self.entries[key]
         self.bar.update(len(pending))
         return summary
+
+    def _check_here(self, job: list, names: list[str]) -> dict[str, list]:
+        """Gate results of a check job that the workers did not deliver (none if the case itself
+        cannot run here)."""
+        case = workers_.case_of(job[1:8], self.plan.device)
+        try:
+            inp, refs, eager = workers_.inputs(case)
+            return {n: workers_.gate(n, case, inp, refs, eager) for n in names}
+        except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+            return {n: [False, None, bench.failure(exc)] for n in names}
+        finally:
+            if case.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def held_out_at_other_sizes(self, series: list[Series]) -> None:
         """The self-check's points at feature sizes the plan does not measure (held_out_sizes): what

@@ -62,7 +62,7 @@ def case_job(case: bench.Case) -> list:
     return [case.op, str(case.dtype)[6:], case.activation, case.training, case.dropout, case.m, list(case.features)]
 
 
-def _case(job: list, device: torch.device) -> bench.Case:
+def case_of(job: list, device: torch.device) -> bench.Case:
     op, dtype, act, training, dropout, m, features = job
     return bench.Case(op, getattr(torch, dtype), act, training, dropout, m, tuple(features), device)
 
@@ -129,11 +129,24 @@ def warm(todo: list[list], workers: int, deadline_s: float, device: torch.device
     }
 
 
+CHECK_MEMORY = 16 * 2**30  # a check's peak at the plan's caps: float64 reference + eager + backend
+
+
+def check_workers(workers: int, device: torch.device) -> int:
+    """How many checking processes fit: each may hold ~CHECK_MEMORY of device memory at once."""
+    if device.type != "cuda":
+        return workers
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(workers, free // CHECK_MEMORY))
+
+
 def check(jobs: list[list], workers: int, deadline_s: float, device: torch.device, bar=None) -> tuple[dict, dict]:
-    """Parity-checks ``jobs`` ([id, *case_job(case), [backend names]]) in ``workers`` processes.
-    Returns ({id: {name: [passed, max relative error, why it failed]}}, a summary); a job whose worker
-    was stopped or died has no entry."""
+    """Parity-checks ``jobs`` ([id, *case_job(case), [backend names]]) in up to ``workers`` processes
+    (fewer if device memory is short). Returns ({id: {name: [passed, max relative error, why it
+    failed]}}, a summary); a job that failed to run (out of memory, say) or whose worker was stopped
+    has no entry, and the caller checks it itself."""
     start = time.monotonic()
+    workers = check_workers(workers, device)
     chunks = _chunks(jobs, max(1, workers), lambda j: (j[1], j[2], j[3], j[4], j[5], tuple(j[7])))
     lines, killed = _spawn("check", chunks, device, deadline_s, bar)
     results = {}
@@ -174,10 +187,10 @@ def _worker(path: str) -> None:
     for j in job["jobs"]:
         try:
             if job["kind"] == "warm":
-                case = _case(j[1:], device)
+                case = case_of(j[1:], device)
                 bench.run_once(j[0], case, bench.make_inputs(case, 0))
             else:
-                case = _case(j[1:8], device)
+                case = case_of(j[1:8], device)
                 inp, refs, eager = inputs(case)
                 print(json.dumps({"id": j[0], "results": {n: gate(n, case, inp, refs, eager) for n in j[8]}}), flush=True)
         except Exception as exc:  # the measuring process reports it (a missing result fails the check)

@@ -312,7 +312,7 @@ def test_parity_checks_in_worker_processes(user_dir):
 
 def test_deferred_check_failures_leave_the_table(monkeypatch):
     """A backend that fails its deferred parity check loses that point's timing, and the entry is
-    refit without it."""
+    refit without it; a point the workers did not deliver is checked in the measuring process."""
     from tqdm import tqdm
 
     from dispatch import calibrate_workers
@@ -330,13 +330,20 @@ def test_deferred_check_failures_leave_the_table(monkeypatch):
 
     def check(jobs, workers, deadline_s, device, bar=None):
         assert workers == 2 and [j[6] for j in jobs] == [1, 64] and all(j[3] == "gelu" for j in jobs)
-        fail = {"flat": [False, None, "max error 4.00x the tolerance"], "eager": [True, 1e-7, ""]}
         ok = {"flat": [True, 2e-7, ""], "eager": [True, 1e-7, ""]}
-        return {jobs[0][0]: ok, jobs[1][0]: fail}, {"points": 2, "workers": 1, "seconds": 0.0, "unfinished": 0}
+        return {jobs[0][0]: ok}, {"points": 2, "workers": 1, "seconds": 0.0, "unfinished": 1}
+
+    redone = []
+
+    def check_here(job, names):  # a job the workers did not deliver (out of memory) is checked here
+        redone.append((job[6], names))
+        return {"flat": [False, None, "max error 4.00x the tolerance"], "eager": [True, 1e-7, ""]}
 
     monkeypatch.setattr(calibrate_workers, "check", check)
+    monkeypatch.setattr(run, "_check_here", check_here)
     summary = run.check_deferred(60)
-    assert summary["points"] == 2
+    assert summary["points"] == 2 and summary["checked_in_this_process"] == 1
+    assert redone == [(64, ["eager", "flat"])]
     gelu = run.entries[("bias_act_dropout", "float32", "gelu", "inference", False, (32,))]
     assert [seg["backend"] for seg in gelu["segments"]] == ["flat", "eager"]
     assert gelu["points"][1]["rejected"] == {"flat": "max error 4.00x the tolerance"}
