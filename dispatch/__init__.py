@@ -3,10 +3,10 @@
     from dispatch import fused_bias_act_dropout, fused_linear, explain, use_backend
 """
 
+from dispatch import nn  # FusedLinear, FusedBiasActDropout
 from dispatch.activations import ACTIVATION_NAMES
 from dispatch.api import explain, fused_bias_act_dropout, fused_linear
-from dispatch.select import use_backend
-from dispatch import nn  # FusedLinear, FusedBiasActDropout
 from dispatch.patch import patch
+from dispatch.select import use_backend
 
 __all__ = ["ACTIVATION_NAMES", "explain", "fused_bias_act_dropout", "fused_linear", "nn", "patch", "use_backend"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import heuristics
-from dispatch import calibrate, calibrate_bench, explain, registry, select
+from dispatch import calibrate, calibrate_bench, calibrate_checks, explain, registry, select
 from dispatch import table as table_cli
 from dispatch.calibrate_plan import NOISE, fit, rank, spread, to_bisect
 from dispatch.registry import Call
@@ -340,8 +340,8 @@ def test_deferred_check_failures_leave_the_table(monkeypatch):
         return {"flat": [False, None, "max error 4.00x the tolerance"], "eager": [True, 1e-7, ""]}
 
     monkeypatch.setattr(calibrate_workers, "check", check)
-    monkeypatch.setattr(run, "_check_here", check_here)
-    summary = run.check_deferred(60)
+    monkeypatch.setattr(calibrate_checks, "check_here", lambda run, job, names: check_here(job, names))
+    summary = calibrate_checks.check_deferred(run, 60)
     assert summary["points"] == 2 and summary["checked_in_this_process"] == 1
     assert redone == [(64, ["eager", "flat"])]
     gelu = run.entries[("bias_act_dropout", "float32", "gelu", "inference", False, (32,))]
@@ -375,7 +375,7 @@ def test_member_check_drops_a_failing_winner_from_its_segment(monkeypatch):
         point["err"][name] = 1e-6
         return True
 
-    monkeypatch.setattr(run, "_gate", gate)
+    monkeypatch.setattr(run, "gate", gate)
     ms = [
         {"flat": 1.0, "eager": 2.0, "slow": 1.5},
         {"flat": 1.0, "eager": 2.0, "slow": 3.0},
@@ -383,7 +383,7 @@ def test_member_check_drops_a_failing_winner_from_its_segment(monkeypatch):
     ]
     rep = [{"m": m, "ms": t, "err": {}, "rejected": {}} for m, t in zip((1, 16, 256), ms)]
     s = Series("bias_act_dropout", torch.float32, "inference", False, "gelu")
-    points = run.check_member(s, "silu", (32,), rep)
+    points = calibrate_checks.check_member(run, s, "silu", (32,), rep)
     assert [rank(p["ms"])[0] for p in points] == ["slow", "eager", "eager"]
     assert gated == [("flat", 16), ("eager", 256), ("slow", 1)]  # eager's run now spans 16..256
     assert all("flat" in p["rejected"] for p in points[:2]) and "flat" in points[2]["ms"]

@@ -14,8 +14,7 @@ import torch
 import heuristics
 from backends.eager import bias_act_dropout as eager_bad
 from backends.eager import fused_linear as eager_linear
-from dispatch import explain, fused_bias_act_dropout, fused_linear, use_backend
-from dispatch import registry
+from dispatch import explain, fused_bias_act_dropout, fused_linear, registry, use_backend
 from dispatch import select as select_mod
 from dispatch.activations import ACTIVATION_NAMES
 from dispatch.registry import Backend

@@ -12,10 +12,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-
 from dispatch import rng as dropout_rng
-from dispatch.rng import Rng
 from dispatch.activations import ACTIVATIONS
+from dispatch.rng import Rng
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

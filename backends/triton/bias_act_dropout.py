@@ -16,7 +16,6 @@ import torch
 import triton
 from torch import Tensor
 
-
 from backends.triton.bias_act_dropout_kernels import _backward_kernel, _bias_grad_kernel, _forward_kernel
 from backends.triton.bias_act_dropout_rows import _forward_rows_kernel
 from backends.triton.launch import Launcher

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
 try:  # triton >= 3.3
     from triton import knobs as _knobs

@@ -12,7 +12,8 @@ import triton
 import triton.testing
 
 from backends.triton import bias_act_dropout as tbad
-from dispatch import fused_bias_act_dropout, rng as dropout_rng
+from dispatch import fused_bias_act_dropout
+from dispatch import rng as dropout_rng
 
 dev = "cuda"
 x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)

@@ -8,7 +8,7 @@ import torch
 from tabulate import tabulate
 
 os.environ.setdefault("DISPATCH_HEURISTICS_DIR", "/tmp/empty-heuristics")
-from dispatch import api, fused_bias_act_dropout  # noqa: E402
+from dispatch import fused_bias_act_dropout  # noqa: E402
 
 EXPRS = [
     "x.dtype", "x.shape", "x.is_cuda", "x.is_cpu", "x.get_device()", "x.device", "x.requires_grad",
