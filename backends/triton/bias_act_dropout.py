@@ -13,7 +13,6 @@ import functools
 from typing import NamedTuple, Optional
 
 import torch
-import triton
 from torch import Tensor
 
 from backends.triton.bias_act_dropout_kernels import _backward_kernel, _bias_grad_kernel, _forward_kernel
@@ -62,18 +61,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # triton.cdiv is a constexpr_function in triton 3.6: ~1-2 us a host call
 
 
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1  # triton.next_power_of_2 costs as triton.cdiv
+
+
 class Config(NamedTuple):
     block_m: int
     block_n: int
     num_warps: int
 
 
+@functools.lru_cache(maxsize=4096)
 def _block_n(n: int, top: int) -> int:
     """The widest of top, top/2, top/4 (>= 8) whose padding wastes <= 1/16 of a row, else the least
-    wasteful (N = 768 -> 256, 11008 -> 1024, 4096 -> 1024)."""
-    top = max(8, min(top, triton.next_power_of_2(n)))
+    wasteful (N = 768 -> 256, 11008 -> 1024, 4096 -> 1024). Cached: the rows kernel asks every call."""
+    top = max(8, min(top, _next_power_of_2(n)))
     options = [b for b in (top, top // 2, top // 4) if b >= 8]
-    waste = {b: triton.cdiv(n, b) * b - n for b in options}
+    waste = {b: _cdiv(n, b) * b - n for b in options}
     fitting = [b for b in options if 16 * waste[b] <= n]
     return fitting[0] if fitting else min(options, key=lambda b: (waste[b], -b))
 
@@ -91,12 +95,12 @@ def config(m: int, n: int, itemsize: int, backward: bool = False, dropout: bool 
     else:
         per_thread, warps = FORWARD_BYTES_PER_THREAD // itemsize, FORWARD_WARPS
     if m <= DECODE_ROWS:
-        block_m = triton.next_power_of_2(max(m, 1))
+        block_m = _next_power_of_2(max(m, 1))
         block_n = _block_n(n, min(MAX_BLOCK_N, max(8, DECODE_TILE // block_m)))
         per_thread = 8  # latency-bound: spread the few elements over more threads
     else:
         block_n = _block_n(n, max_block_n)
-        block_m = min(max(1, per_thread * warps * 32 // block_n), triton.next_power_of_2(m))
+        block_m = min(max(1, per_thread * warps * 32 // block_n), _next_power_of_2(m))
     num_warps = min(8, max(1, block_m * block_n // (32 * per_thread)))
     return Config(block_m, block_n, num_warps)
 
