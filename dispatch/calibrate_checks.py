@@ -26,6 +26,7 @@ def runs(points: list[dict]) -> list[list[dict]]:
             runs.append([p])
     return runs
 
+
 def check_member(
     run: Run,
     s: Series,
@@ -41,7 +42,11 @@ def check_member(
     points = [{**p, "ms": dict(p["ms"]), "err": {}, "rejected": {}} for p in rep_points]
     checked: set[tuple[str, int]] = set()
     while True:
-        todo = [(rank(r[-1]["ms"])[0], r) for r in runs(points) if (rank(r[-1]["ms"])[0], r[-1]["m"]) not in checked]
+        todo = [
+            (rank(r[-1]["ms"])[0], r)
+            for r in runs(points)
+            if (rank(r[-1]["ms"])[0], r[-1]["m"]) not in checked
+        ]
         if not todo:
             return points
         for pick, segment in todo:
@@ -89,10 +94,15 @@ def check_members(run: Run) -> Optional[dict]:
     for s, act, feats, points in todo:
         if run.over():
             break
-        mine = {(pick, m): r for (label, a, f, pick, m), r in known.items() if (label, a, f) == (s.label, act, feats)}
+        mine = {
+            (pick, m): r
+            for (label, a, f, pick, m), r in known.items()
+            if (label, a, f) == (s.label, act, feats)
+        }
         run.add(s, act, feats, check_member(run, s, act, feats, points, mine), [], True)
         run.bar.update()
     return summary
+
 
 def check_deferred(run: Run, deadline_s: float) -> Optional[dict]:
     """With workers: parity-check every timed point (fit points, held-out points) in the worker
@@ -112,8 +122,14 @@ def check_deferred(run: Run, deadline_s: float) -> Optional[dict]:
     jobs = []
     for i, (e, p) in enumerate(pending):
         case = bench.Case(
-            e["op"], getattr(torch, e["dtype"]), e["activation"], e["mode"] == "training", e["dropout"],
-            p["m"], tuple(e["features"]), run.plan.device,
+            e["op"],
+            getattr(torch, e["dtype"]),
+            e["activation"],
+            e["mode"] == "training",
+            e["dropout"],
+            p["m"],
+            tuple(e["features"]),
+            run.plan.device,
         )
         jobs.append([i, *calibrate_workers.case_job(case), p["unchecked"]])
     results, summary = calibrate_workers.check(jobs, run.workers, deadline_s, run.plan.device, run.bar)
@@ -138,6 +154,7 @@ def check_deferred(run: Run, deadline_s: float) -> Optional[dict]:
     run.bar.update(len(pending))
     return summary
 
+
 def check_here(run: Run, job: list, names: list[str]) -> dict[str, list]:
     """Gate results of a check job that the workers did not deliver (none if the case itself
     cannot run here)."""
@@ -150,6 +167,7 @@ def check_here(run: Run, job: list, names: list[str]) -> dict[str, list]:
     finally:
         if case.device.type == "cuda":
             torch.cuda.empty_cache()
+
 
 def held_out_at_other_sizes(run: Run, series: list[Series]) -> None:
     """The self-check's points at feature sizes the plan does not measure (held_out_sizes): what

@@ -73,7 +73,9 @@ def format_costs(settings: dict) -> str:
         )
     c = settings.get("parallel_member_checks")
     if c:
-        parts.append(f"member checks {c['seconds']:.0f} s ({c['points']} segments in {c['workers']} processes)")
+        parts.append(
+            f"member checks {c['seconds']:.0f} s ({c['points']} segments in {c['workers']} processes)"
+        )
     for name, c in settings.get("seconds_by_backend", {}).items():
         parts.append(f"{name} {c['check']:.0f} s checking + {c['time']:.0f} s timing")
     return "time spent: " + "; ".join(parts) if parts else ""

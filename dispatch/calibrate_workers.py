@@ -51,15 +51,27 @@ def cases(work: Iterable[tuple], plan, only: Optional[set[str]]) -> list[list]:
                 if b is None or (only is not None and name not in only):
                     continue
                 for act in [s.rep] + (list(s.members) if name == "triton" else []):
-                    case = bench.Case(s.op, s.dtype, act, s.mode == "training", s.dropout, m, features, plan.device)
+                    case = bench.Case(
+                        s.op, s.dtype, act, s.mode == "training", s.dropout, m, features, plan.device
+                    )
                     if not b.not_supported_reasons(case.call(), explicit=False):
-                        out.append([name, s.op, str(s.dtype)[6:], act, case.training, s.dropout, m, list(features)])
+                        out.append(
+                            [name, s.op, str(s.dtype)[6:], act, case.training, s.dropout, m, list(features)]
+                        )
     return out
 
 
 def case_job(case: bench.Case) -> list:
     """A Case as JSON: [op, dtype, activation, training, dropout, m, features]."""
-    return [case.op, str(case.dtype)[6:], case.activation, case.training, case.dropout, case.m, list(case.features)]
+    return [
+        case.op,
+        str(case.dtype)[6:],
+        case.activation,
+        case.training,
+        case.dropout,
+        case.m,
+        list(case.features),
+    ]
 
 
 def case_of(job: list, device: torch.device) -> bench.Case:
@@ -78,7 +90,9 @@ def _chunks(jobs: list[list], workers: int, kind_of) -> list[list[list]]:
     return [c for c in chunks if c]
 
 
-def _spawn(kind: str, chunks: list[list[list]], device: torch.device, deadline_s: float, bar=None) -> tuple[list[str], int]:
+def _spawn(
+    kind: str, chunks: list[list[list]], device: torch.device, deadline_s: float, bar=None
+) -> tuple[list[str], int]:
     """Runs each chunk in its own process; returns every line they printed and how many were stopped
     at the deadline."""
     start = time.monotonic()
@@ -140,7 +154,9 @@ def check_workers(workers: int, device: torch.device) -> int:
     return max(1, min(workers, free // CHECK_MEMORY))
 
 
-def check(jobs: list[list], workers: int, deadline_s: float, device: torch.device, bar=None) -> tuple[dict, dict]:
+def check(
+    jobs: list[list], workers: int, deadline_s: float, device: torch.device, bar=None
+) -> tuple[dict, dict]:
     """Parity-checks ``jobs`` ([id, *case_job(case), [backend names]]) in up to ``workers`` processes
     (fewer if device memory is short). Returns ({id: {name: [passed, max relative error, why it
     failed]}}, a summary); a job that failed to run (out of memory, say) or whose worker was stopped
@@ -192,7 +208,10 @@ def _worker(path: str) -> None:
             else:
                 case = case_of(j[1:8], device)
                 inp, refs, eager = inputs(case)
-                print(json.dumps({"id": j[0], "results": {n: gate(n, case, inp, refs, eager) for n in j[8]}}), flush=True)
+                print(
+                    json.dumps({"id": j[0], "results": {n: gate(n, case, inp, refs, eager) for n in j[8]}}),
+                    flush=True,
+                )
         except Exception as exc:  # the measuring process reports it (a missing result fails the check)
             print("failed", j, bench.failure(exc), flush=True)
         if device.type == "cuda":
