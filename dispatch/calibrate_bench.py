@@ -247,7 +247,11 @@ def time_ms(
             warmup, rep = (3, 10) if quick else (5, 15)
             return float(
                 triton.testing.do_bench(
-                    fn, warmup=warmup * share, rep=rep * share, grad_to_none=grad_to_none, return_mode="median"
+                    fn,
+                    warmup=warmup * share,
+                    rep=rep * share,
+                    grad_to_none=grad_to_none,
+                    return_mode="median",
                 )
             )
         times: list[float] = []  # no warm-up call: check() has just run this backend at this shape

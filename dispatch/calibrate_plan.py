@@ -37,7 +37,8 @@ CLASSES: dict[str, tuple[tuple[str, ...], ...]] = {
 # dispatch.shapes' 14 hidden/MLP sizes and 18 (N, K) pairs with 3 dtypes, 2 modes and dropout on/off is
 # ~550 series, ~35 min on the H200 host). Lookup between measured sizes takes the nearest one; the
 # self-check's held-out points include unmeasured sizes, so what that costs is measured, not assumed.
-FULL_FEATURES = (768, 3072, 4096, 14336, 28672)  # GPT-2/BERT hidden and MLP, LLaMA hidden, LLaMA-3 MLP, 70B MLP
+# GPT-2/BERT hidden and MLP sizes, LLaMA hidden, LLaMA-3 MLP, 70B MLP
+FULL_FEATURES = (768, 3072, 4096, 14336, 28672)
 FULL_LINEAR = (  # (N, K) = (out, in): up and down projections
     (3072, 768),  # GPT-2 / BERT / ViT-B up
     (768, 3072),  # their down

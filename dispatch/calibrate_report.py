@@ -90,6 +90,7 @@ def format_self_check(r: dict) -> str:
         f"self-check on {r['points']} held-out points: {r['within_5pct']:.0%} within 5% of the fastest "
         f"(target >= {t['within_5pct']:.0%}), worst regret {r['worst_regret'] or 0:+.1%} "
         f"(target <= {t['worst_regret']:.0%}), worst vs eager {r['worst_vs_eager'] or 0:+.1%} "
-        f"(target <= {t['worst_vs_eager']:+.0%}), table's pick unrunnable at {r['pick_not_runnable']} of them: "
+        f"(target <= {t['worst_vs_eager']:+.0%}), "
+        f"table's pick unrunnable at {r['pick_not_runnable']} of them: "
         f"{verdict}"
     )

@@ -25,7 +25,12 @@ class Run:
     """One calibration: the plan, the clock, the progress bar, and the entries measured so far."""
 
     def __init__(
-        self, plan: Plan, only: Optional[set[str]], bar: tqdm, previous: Optional[dict] = None, workers: int = 0
+        self,
+        plan: Plan,
+        only: Optional[set[str]],
+        bar: tqdm,
+        previous: Optional[dict] = None,
+        workers: int = 0,
     ) -> None:
         self.plan, self.only, self.bar = plan, only, bar
         # with worker processes, points are timed now and parity-checked by the workers afterwards
