@@ -10,7 +10,7 @@ The table is written atomically as JSON; the run ends with the choice tables and
 held-out measured points. ``--budget`` stops measuring gracefully: what was measured is written.
 
     python -m dispatch.calibrate --quick                      # ~2 min on an H200, < 3 min on 2 CPU cores
-    python -m dispatch.calibrate --out heuristics/tables/nvidia-h200.json   # full: 741 s on an H200 (two runs)
+    python -m dispatch.calibrate --out heuristics/tables/nvidia-h200.json   # full (H200: 741 s, 2 runs)
 
 On a GPU the calls the run will make are first compiled by worker processes into inductor's and
 Triton's on-disk caches, and the parity checks run there while this process only times
@@ -160,24 +160,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         series = list({id(s): s for s, _ in work}.values())
         # what the run will compile: the series left, every series again if members are left to check
         # (a resumed run on a fresh machine), and the self-check's unmeasured sizes
-        ahead = list(todo) if plan.quick or not any(not e["parity_checked"] for e in run.entries.values()) else list(work)
+        members_left = any(not e["parity_checked"] for e in run.entries.values())
+        ahead = list(work) if members_left and not plan.quick else list(todo)
         if plan.held_out_sizes and not run.held_sizes:
             ahead += [(s, f) for s in series for f, _ in held_out_sizes(plan, s)]
         warmed = _warm(plan, run, ahead, bar)
         bar.reset(total=len(todo))
         bar.unit = "series"
+        # a full run keeps a quarter of its budget for the checks after the series (members, sizes)
+        run.reserve = 0.0 if plan.quick else 0.25
         for s, features in todo:
             if run.over():
                 break
             run.series(s, features)
             bar.update()
+        run.reserve = 0.0 if plan.quick else 0.2
         if plan.held_out_sizes and not run.over() and not run.held_sizes:
             bar.reset(total=len(series) * plan.held_out_sizes)
             bar.unit = "point"
             calibrate_checks.held_out_at_other_sizes(run, series)
         member_checks = None
-        checked = calibrate_checks.check_deferred(run, max(120.0, plan.budget_s / 4))  # even past the budget: unchecked
-        if not plan.quick and not run.over():  # timings never reach a table
+        run.reserve = 0.0
+        # even past the budget: unchecked timings never reach a table
+        checked = calibrate_checks.check_deferred(run, max(120.0, plan.budget_s / 4))
+        if not plan.quick and not run.over():
             bar.reset(total=sum(not e["parity_checked"] for e in run.entries.values()))
             bar.unit = "member"
             member_checks = calibrate_checks.check_members(run)

@@ -38,7 +38,8 @@ class Run:
         # checked first
         self.workers = workers
         self.start = time.monotonic()
-        self.stopped = False
+        self.stopped = False  # whether the budget (or a phase's share of it) ever cut a phase short
+        self.reserve = 0.0  # the share of the budget the current phase leaves to the later ones
         self.entries: dict[tuple, dict] = {_key(e): e for e in (previous or {}).get("entries", [])}
         self.used: set[str] = set((previous or {}).get("backends", {}))
         # seconds spent per backend: "check" (parity gate, first-call compiles included) and "time"
@@ -50,9 +51,11 @@ class Run:
         entry[what] += time.monotonic() - since
 
     def over(self) -> bool:
-        if time.monotonic() - self.start > self.plan.budget_s:
+        """Past the budget, less the share ``reserve`` kept for the phases still to come."""
+        if time.monotonic() - self.start > self.plan.budget_s * (1.0 - self.reserve):
             self.stopped = True
-        return self.stopped
+            return True
+        return False
 
     def case(self, s: Series, activation: str, m: int, features: tuple[int, ...]) -> bench.Case:
         return bench.Case(
