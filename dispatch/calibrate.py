@@ -167,14 +167,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warmed = _warm(plan, run, ahead, bar)
         bar.reset(total=len(todo))
         bar.unit = "series"
-        # a full run keeps a quarter of its budget for the checks after the series (members, sizes)
-        run.reserve = 0.0 if plan.quick else 0.25
+        # a full run keeps 40% of its budget for what follows the series: the unmeasured sizes (to
+        # 65%), the deferred parity checks (to 85%) and the member checks (to 100%)
+        run.reserve = 0.0 if plan.quick else 0.4
         for s, features in todo:
             if run.over():
                 break
             run.series(s, features)
             bar.update()
-        run.reserve = 0.0 if plan.quick else 0.2
+        run.reserve = 0.0 if plan.quick else 0.35
         if plan.held_out_sizes and not run.over() and not run.held_sizes:
             bar.reset(total=len(series) * plan.held_out_sizes)
             bar.unit = "point"
@@ -182,8 +183,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         member_checks = None
         run.reserve = 0.0
         # even past the budget: unchecked timings never reach a table
-        checked = calibrate_checks.check_deferred(run, max(120.0, plan.budget_s / 4))
-        if not plan.quick and not run.over():
+        share = 1.0 if plan.quick else 0.85
+        left = plan.budget_s * share - (time.monotonic() - run.start)
+        checked = calibrate_checks.check_deferred(run, max(60.0, left))
+        if not plan.quick:  # past the budget, members keep only what the workers checked
             bar.reset(total=sum(not e["parity_checked"] for e in run.entries.values()))
             bar.unit = "member"
             member_checks = calibrate_checks.check_members(run)

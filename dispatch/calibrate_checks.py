@@ -34,11 +34,13 @@ def check_member(
     features: tuple[int, ...],
     rep_points: list[dict],
     known: Optional[dict[tuple[str, int], list]] = None,
-) -> list[dict]:
+    local: bool = True,
+) -> Optional[list[dict]]:
     """A member shares its representative's timings. Each run of consecutive points with one
     winner (a segment) is parity-checked for the member at its largest M, where accumulated error
     is largest; a winner that fails there leaves that run's points and the next best is checked,
-    until every run's winner has passed. ``known``: gate results already had, by (backend, M)."""
+    until every run's winner has passed. ``known``: gate results already had, by (backend, M);
+    without ``local``, a check not among them leaves the member unchecked (None)."""
     points = [{**p, "ms": dict(p["ms"]), "err": {}, "rejected": {}} for p in rep_points]
     checked: set[tuple[str, int]] = set()
     while True:
@@ -53,6 +55,8 @@ def check_member(
             probe = segment[-1]
             if known and (pick, probe["m"]) in known:
                 ok = Run.verdict(probe, pick, known[(pick, probe["m"])])
+            elif not local:
+                return None
             else:
                 case = run.case(s, act, probe["m"], features)
                 inp, refs, eager = calibrate_workers.inputs(case)
@@ -86,20 +90,24 @@ def check_members(run: Run) -> Optional[dict]:
                 jobs.append([len(jobs), *calibrate_workers.case_job(run.case(s, act, m, feats)), [pick]])
                 where.append((s.label, act, feats, pick, m))
         run.bar.set_description_str(f"member checks in {run.workers} processes", False)
-        left = max(60.0, run.plan.budget_s - (time.monotonic() - run.start))
-        results, summary = calibrate_workers.check(jobs, run.workers, left, run.plan.device, run.bar)
+        left = max(30.0, run.plan.budget_s - (time.monotonic() - run.start))
+        try:
+            results, summary = calibrate_workers.check(jobs, run.workers, left, run.plan.device, run.bar)
+        except OSError as exc:  # no processes to be had: checked here, as without workers
+            summary = {"points": len(jobs), "workers": 0, "seconds": 0.0, "spawn_failed": str(exc)}
+            results = {}
         for (label, act, feats, pick, m), job in zip(where, jobs):
             if pick in results.get(job[0], {}):
                 known[(label, act, feats, pick, m)] = results[job[0]][pick]
-    for s, act, feats, points in todo:
-        if run.over():
-            break
+    for s, act, feats, points in todo:  # past the budget, only what the workers already checked
         mine = {
             (pick, m): r
             for (label, a, f, pick, m), r in known.items()
             if (label, a, f) == (s.label, act, feats)
         }
-        run.add(s, act, feats, check_member(run, s, act, feats, points, mine), [], True)
+        checked = check_member(run, s, act, feats, points, mine, local=not run.over())
+        if checked is not None:
+            run.add(s, act, feats, checked, [], True)
         run.bar.update()
     return summary
 
@@ -107,7 +115,9 @@ def check_members(run: Run) -> Optional[dict]:
 def check_deferred(run: Run, deadline_s: float) -> Optional[dict]:
     """With workers: parity-check every timed point (fit points, held-out points) in the worker
     processes, drop the backends that failed from those points, and refit every entry. A backend
-    whose check did not finish counts as failed there."""
+    that ran out of memory in a worker (they share the device) is checked again here, within the
+    deadline; a point whose worker was stopped or died counts as failed for every backend (a worker
+    that crashed may have met a backend that breaks the CUDA context: not run here again)."""
     pending: list[tuple[dict, dict]] = []
     for e in run.entries.values():
         for p in e["points"] + e["held_out"]:
@@ -132,13 +142,21 @@ def check_deferred(run: Run, deadline_s: float) -> Optional[dict]:
             run.plan.device,
         )
         jobs.append([i, *calibrate_workers.case_job(case), p["unchecked"]])
-    results, summary = calibrate_workers.check(jobs, run.workers, deadline_s, run.plan.device, run.bar)
+    start = time.monotonic()
+    try:
+        results, summary = calibrate_workers.check(jobs, run.workers, deadline_s, run.plan.device, run.bar)
+        spawned = True
+    except OSError as exc:  # no processes to be had: everything is checked here, as without workers
+        results, spawned = {}, False
+        summary = {"points": len(jobs), "workers": 0, "seconds": 0.0, "spawn_failed": str(exc)}
     redo = 0
     for i, (e, p) in enumerate(pending):
-        got = results.get(i)
+        got = dict(results.get(i, {}))
         names = p.pop("unchecked")
-        if got is None:  # the worker ran out of memory or time: checked here, as without workers
-            got = check_here(run, jobs[i], names)
+        left = [n for n in names if n not in got]
+        here = not spawned or i in results  # out of memory in a worker, or no workers at all
+        if left and here and time.monotonic() - start < deadline_s + 60.0:
+            got.update(check_here(run, jobs[i], left))
             redo += 1
         for name in names:
             Run.verdict(p, name, got.get(name, [False, None, "its parity check did not finish"]))
@@ -162,7 +180,7 @@ def check_here(run: Run, job: list, names: list[str]) -> dict[str, list]:
     try:
         inp, refs, eager = calibrate_workers.inputs(case)
         return {n: calibrate_workers.gate(n, case, inp, refs, eager) for n in names}
-    except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+    except Exception as exc:  # the reference or eager itself failed here: nothing passes
         return {n: [False, None, bench.failure(exc)] for n in names}
     finally:
         if case.device.type == "cuda":

@@ -92,54 +92,73 @@ def _chunks(jobs: list[list], workers: int, kind_of) -> list[list[list]]:
 
 def _spawn(
     kind: str, chunks: list[list[list]], device: torch.device, deadline_s: float, bar=None
-) -> tuple[list[str], int]:
-    """Runs each chunk in its own process; returns every line they printed and how many were stopped
-    at the deadline."""
+) -> tuple[list[str], int, list[str]]:
+    """Runs each chunk in its own process. Each writes its lines to a file of its own (a pipe read one
+    process after another would stall the later ones once full), flushed line by line, so a process
+    stopped at the deadline still leaves what it finished. Returns (every line, how many processes
+    were stopped, the last stderr line of each that failed)."""
     start = time.monotonic()
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     lines: list[str] = []
+    errors: list[str] = []
     killed = 0
     with tempfile.TemporaryDirectory(prefix="fusedispatch-calibrate-") as folder:
         procs = []
-        for i, chunk in enumerate(chunks):
-            path = os.path.join(folder, f"jobs-{i}.json")
-            with open(path, "w") as f:
-                json.dump({"kind": kind, "device": str(device), "jobs": chunk}, f)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "dispatch.calibrate_workers", path],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    env=env,
-                    text=True,
-                )
-            )
-        for i, p in enumerate(procs):
+        try:
+            for i, chunk in enumerate(chunks):
+                path = os.path.join(folder, f"jobs-{i}.json")
+                with open(path, "w") as f:
+                    json.dump({"kind": kind, "device": str(device), "jobs": chunk}, f)
+                with open(path + ".err", "w") as err:
+                    procs.append(
+                        (
+                            path,
+                            subprocess.Popen(
+                                [sys.executable, "-m", "dispatch.calibrate_workers", path],
+                                stdout=subprocess.DEVNULL,
+                                stderr=err,
+                                env=env,
+                            ),
+                        )
+                    )
+        except OSError:
+            for _, p in procs:
+                p.kill()
+                p.wait()
+            raise
+        for i, (path, p) in enumerate(procs):
             try:
-                out, _ = p.communicate(timeout=max(deadline_s - (time.monotonic() - start), 0.1))
+                p.wait(timeout=max(deadline_s - (time.monotonic() - start), 0.1))
             except subprocess.TimeoutExpired:
                 p.kill()
-                out, _ = p.communicate()
+                p.wait()
                 killed += 1
-            lines.extend(out.splitlines())
+            if os.path.exists(path + ".out"):
+                with open(path + ".out") as f:
+                    lines.extend(f.read().splitlines())
+            if p.returncode not in (0, -9):
+                with open(path + ".err") as f:
+                    tail = [ln for ln in f.read().splitlines() if ln.strip()][-1:]
+                errors.append(f"worker {i} exited with {p.returncode}: {tail[0] if tail else ''}"[:300])
             if bar is not None:
                 bar.set_postfix_str(f"{i + 1}/{len(procs)} workers", refresh=True)
-    return lines, killed
+    return lines, killed, errors
 
 
 def warm(todo: list[list], workers: int, deadline_s: float, device: torch.device, bar=None) -> dict:
     """Runs the warm-up calls ``todo`` on ``device`` in ``workers`` processes. Returns a summary."""
     start = time.monotonic()
     chunks = _chunks(todo, max(1, workers), lambda c: (c[0], c[1], c[2], c[3], c[4], c[5], tuple(c[7])))
-    lines, killed = _spawn("warm", chunks, device, deadline_s, bar)
+    lines, killed, errors = _spawn("warm", chunks, device, deadline_s, bar)
     return {
         "calls": len(todo),
         "workers": len(chunks),
         "seconds": round(time.monotonic() - start, 1),
         "failed_calls": sum(line.startswith("failed") for line in lines),
         "workers_stopped_at_deadline": killed,
+        "worker_errors": errors,
     }
 
 
@@ -159,16 +178,20 @@ def check(
 ) -> tuple[dict, dict]:
     """Parity-checks ``jobs`` ([id, *case_job(case), [backend names]]) in up to ``workers`` processes
     (fewer if device memory is short). Returns ({id: {name: [passed, max relative error, why it
-    failed]}}, a summary); a job that failed to run (out of memory, say) or whose worker was stopped
-    has no entry, and the caller checks it itself."""
+    failed]}}, a summary). A backend that ran out of memory there (the workers share the device) is
+    left out of its job's results, and a job whose worker was stopped or died has none: the caller
+    decides what to do with those. Raises OSError if no process can be started."""
     start = time.monotonic()
     workers = check_workers(workers, device)
     chunks = _chunks(jobs, max(1, workers), lambda j: (j[1], j[2], j[3], j[4], j[5], tuple(j[7])))
-    lines, killed = _spawn("check", chunks, device, deadline_s, bar)
+    lines, killed, errors = _spawn("check", chunks, device, deadline_s, bar)
     results = {}
     for line in lines:
-        if line.startswith("{"):
-            r = json.loads(line)
+        try:
+            r = json.loads(line) if line.startswith("{") else None
+        except ValueError:
+            r = None
+        if isinstance(r, dict) and "id" in r and "results" in r:
             results[r["id"]] = r["results"]
     summary = {
         "points": len(jobs),
@@ -176,6 +199,7 @@ def check(
         "seconds": round(time.monotonic() - start, 1),
         "unfinished": len(jobs) - len(results),
         "workers_stopped_at_deadline": killed,
+        "worker_errors": errors,
     }
     return results, summary
 
@@ -194,28 +218,34 @@ def inputs(case: bench.Case) -> tuple[bench.Inputs, list, list]:
     return inp, bench.reference(case, inp), bench.run_once("eager", case, inp)
 
 
+def _oom(result: list) -> bool:
+    return not result[0] and result[2].startswith("OutOfMemoryError")
+
+
 def _worker(path: str) -> None:
-    """Reads {"kind", "device", "jobs"} from the JSON file ``path``. ``warm``: runs each call once
-    (forward, or forward + backward). ``check``: prints one JSON line of gate results per job."""
+    """Reads {"kind", "device", "jobs"} from the JSON file ``path`` and writes its lines to
+    ``path + ".out"``. ``warm``: runs each call once (forward, or forward + backward). ``check``: one
+    JSON line of gate results per job, a backend that ran out of memory left out."""
     with open(path) as f:
         job = json.load(f)
     device = torch.device(job["device"])
-    for j in job["jobs"]:
-        try:
-            if job["kind"] == "warm":
-                case = case_of(j[1:], device)
-                bench.run_once(j[0], case, bench.make_inputs(case, 0))
-            else:
-                case = case_of(j[1:8], device)
-                inp, refs, eager = inputs(case)
-                print(
-                    json.dumps({"id": j[0], "results": {n: gate(n, case, inp, refs, eager) for n in j[8]}}),
-                    flush=True,
-                )
-        except Exception as exc:  # the measuring process reports it (a missing result fails the check)
-            print("failed", j, bench.failure(exc), flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    with open(path + ".out", "w") as out:
+        for j in job["jobs"]:
+            try:
+                if job["kind"] == "warm":
+                    case = case_of(j[1:], device)
+                    bench.run_once(j[0], case, bench.make_inputs(case, 0))
+                else:
+                    case = case_of(j[1:8], device)
+                    inp, refs, eager = inputs(case)
+                    results = {n: gate(n, case, inp, refs, eager) for n in j[8]}
+                    results = {n: r for n, r in results.items() if not _oom(r)}
+                    out.write(json.dumps({"id": j[0], "results": results}) + "\n")
+            except Exception as exc:  # the measuring process decides (a missing result)
+                out.write(f"failed {j} {bench.failure(exc)}\n")
+            out.flush()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

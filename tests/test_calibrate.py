@@ -312,7 +312,8 @@ def test_parity_checks_in_worker_processes(user_dir):
 
 def test_deferred_check_failures_leave_the_table(monkeypatch):
     """A backend that fails its deferred parity check loses that point's timing, and the entry is
-    refit without it; a point the workers did not deliver is checked in the measuring process."""
+    refit without it. A backend a worker left out (out of memory) is checked again in the measuring
+    process; a point whose worker died counts as failed for every backend."""
     from tqdm import tqdm
 
     from dispatch import calibrate_workers
@@ -323,31 +324,33 @@ def test_deferred_check_failures_leave_the_table(monkeypatch):
     s = Series("bias_act_dropout", torch.float32, "inference", False, "gelu", ["silu"])
     pts = [
         {"m": m, "ms": {"eager": 2.0, "flat": 1.0}, "err": {}, "rejected": {}, "unchecked": ["eager", "flat"]}
-        for m in (1, 64)
+        for m in (1, 64, 4096)
     ]
     run.add(s, "gelu", (32,), pts, [], True)
     run.add(s, "silu", (32,), [{**p, "err": {}, "rejected": {}} for p in pts], [], False)
 
     def check(jobs, workers, deadline_s, device, bar=None):
-        assert workers == 2 and [j[6] for j in jobs] == [1, 64] and all(j[3] == "gelu" for j in jobs)
+        assert workers == 2 and [j[6] for j in jobs] == [1, 64, 4096] and all(j[3] == "gelu" for j in jobs)
         ok = {"flat": [True, 2e-7, ""], "eager": [True, 1e-7, ""]}
-        return {jobs[0][0]: ok}, {"points": 2, "workers": 1, "seconds": 0.0, "unfinished": 1}
+        oom = {"eager": [True, 1e-7, ""]}  # flat ran out of memory in the worker: left out
+        return {jobs[0][0]: ok, jobs[1][0]: oom}, {"points": 3, "workers": 1, "seconds": 0.0, "unfinished": 1}
 
     redone = []
 
-    def check_here(job, names):  # a job the workers did not deliver (out of memory) is checked here
+    def check_here(job, names):
         redone.append((job[6], names))
-        return {"flat": [False, None, "max error 4.00x the tolerance"], "eager": [True, 1e-7, ""]}
+        return {"flat": [False, None, "max error 4.00x the tolerance"]}
 
     monkeypatch.setattr(calibrate_workers, "check", check)
     monkeypatch.setattr(calibrate_checks, "check_here", lambda run, job, names: check_here(job, names))
     summary = calibrate_checks.check_deferred(run, 60)
-    assert summary["points"] == 2 and summary["checked_in_this_process"] == 1
-    assert redone == [(64, ["eager", "flat"])]
+    assert summary["points"] == 3 and summary["checked_in_this_process"] == 1
+    assert redone == [(64, ["flat"])]
     gelu = run.entries[("bias_act_dropout", "float32", "gelu", "inference", False, (32,))]
     assert [seg["backend"] for seg in gelu["segments"]] == ["flat", "eager"]
     assert gelu["points"][1]["rejected"] == {"flat": "max error 4.00x the tolerance"}
     assert gelu["points"][0]["err"] == {"eager": 1e-7, "flat": 2e-7}
+    assert gelu["points"][2]["ms"] == {} and set(gelu["points"][2]["rejected"]) == {"eager", "flat"}
     silu = run.entries[("bias_act_dropout", "float32", "silu", "inference", False, (32,))]
     assert [seg["backend"] for seg in silu["segments"]] == ["flat", "eager"]  # shares the timings
     assert all("unchecked" not in p for e in run.entries.values() for p in e["points"])
@@ -388,6 +391,12 @@ def test_member_check_drops_a_failing_winner_from_its_segment(monkeypatch):
     assert gated == [("flat", 16), ("eager", 256), ("slow", 1)]  # eager's run now spans 16..256
     assert all("flat" in p["rejected"] for p in points[:2]) and "flat" in points[2]["ms"]
     assert rep[0]["ms"] == ms[0]  # the representative's points are left as they were
+    # past the budget only checks already had are used: a missing one leaves the member unchecked
+    known = {("flat", 16): [False, None, "max error 9x the tolerance"], ("eager", 256): [True, 1e-6, ""]}
+    assert calibrate_checks.check_member(run, s, "silu", (32,), rep, known, local=False) is None
+    known[("slow", 1)] = [True, 1e-6, ""]
+    points = calibrate_checks.check_member(run, s, "silu", (32,), rep, known, local=False)
+    assert [rank(p["ms"])[0] for p in points] == ["slow", "eager", "eager"]
 
 
 def test_activation_classes_split_by_the_backends_that_serve_them():
