@@ -168,8 +168,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bar.reset(total=len(todo))
         bar.unit = "series"
         # a full run keeps 40% of its budget for what follows the series: the unmeasured sizes (to
-        # 65%), the deferred parity checks (to 85%) and the member checks (to 100%)
-        run.reserve = 0.0 if plan.quick else 0.4
+        # 65%), the deferred parity checks (to 85%) and the member checks (to 100%); a quick run with
+        # workers keeps 30% for its deferred checks
+        run.reserve = (0.3 if run.workers else 0.0) if plan.quick else 0.4
         for s, features in todo:
             if run.over():
                 break
@@ -185,7 +186,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # even past the budget: unchecked timings never reach a table
         share = 1.0 if plan.quick else 0.85
         left = plan.budget_s * share - (time.monotonic() - run.start)
-        checked = calibrate_checks.check_deferred(run, max(60.0, left))
+        checked = calibrate_checks.check_deferred(run, max(30.0, left))
         if not plan.quick:  # past the budget, members keep only what the workers checked
             bar.reset(total=sum(not e["parity_checked"] for e in run.entries.values()))
             bar.unit = "member"
