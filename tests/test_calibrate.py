@@ -447,3 +447,20 @@ def test_member_checks_in_worker_processes(user_dir):
     silu = [e for e in doc["entries"] if e["activation"] == "silu"]
     assert silu and all(e["measured_as"] == "gelu" and e["parity_checked"] for e in silu)
     assert all(seg["errors"] for e in silu for seg in e["segments"])
+
+
+def test_a_failing_worker_is_reported_not_fatal():
+    """A worker that dies (here: a device string torch rejects) leaves no results and its last
+    stderr line in the summary; the caller goes on."""
+    from dispatch import calibrate_workers
+
+    class Nonsense:
+        type = "cpu"
+
+        def __str__(self) -> str:
+            return "no-such-device"
+
+    job = [0, "bias_act_dropout", "float32", "relu", False, False, 4, [8], ["eager"]]
+    results, summary = calibrate_workers.check([job], 1, 120, Nonsense())
+    assert results == {} and summary["unfinished"] == 1
+    assert len(summary["worker_errors"]) == 1 and "no-such-device" in summary["worker_errors"][0]
