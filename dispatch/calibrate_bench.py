@@ -40,6 +40,20 @@ class Case:
     features: tuple[int, ...]
     device: torch.device
 
+    @classmethod
+    def of_entry(cls, e: dict, m: int, device: torch.device) -> "Case":
+        """The case of a table entry (or a held-out-size record, which has the same keys) at M = m."""
+        return cls(
+            e["op"],
+            getattr(torch, e["dtype"]),
+            e["activation"],
+            e["mode"] == "training",
+            e["dropout"],
+            m,
+            tuple(e["features"]),
+            device,
+        )
+
     def call(self) -> Call:
         return Call(
             self.op,

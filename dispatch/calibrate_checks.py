@@ -131,16 +131,7 @@ def check_deferred(run: Run, deadline_s: float) -> Optional[dict]:
     run.bar.set_description_str(f"parity checks in {run.workers} processes", False)
     jobs = []
     for i, (e, p) in enumerate(pending):
-        case = bench.Case(
-            e["op"],
-            getattr(torch, e["dtype"]),
-            e["activation"],
-            e["mode"] == "training",
-            e["dropout"],
-            p["m"],
-            tuple(e["features"]),
-            run.plan.device,
-        )
+        case = bench.Case.of_entry(e, p["m"], run.plan.device)
         jobs.append([i, *calibrate_workers.case_job(case), p["unchecked"]])
     start = time.monotonic()
     try:

@@ -234,7 +234,7 @@ def all_features(op: str) -> list[tuple[int, ...]]:
     return [(n,) for n in shapes.feature_sizes()] if op == "bias_act_dropout" else shapes.linear_shapes()
 
 
-def held_out_sizes(plan: "Plan", s: "Series") -> list[tuple[tuple[int, ...], int]]:
+def held_out_sizes(plan: Plan, s: Series) -> list[tuple[tuple[int, ...], int]]:
     """(features, M) for the self-check at real-model sizes the plan does not measure, chosen at random
     with the series' label as the seed (the warm-up and the run agree on them)."""
     measured = set(plan.features.get(s.op, []))

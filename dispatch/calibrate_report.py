@@ -21,16 +21,7 @@ def self_check(doc: dict) -> dict:
     for e, pt in held:
         if not pt["ms"]:
             continue
-        call = bench.Case(
-            e["op"],
-            getattr(torch, e["dtype"]),
-            e["activation"],
-            e["mode"] == "training",
-            e["dropout"],
-            pt["m"],
-            tuple(e["features"]),
-            torch.device("cpu"),
-        ).call()
+        call = bench.Case.of_entry(e, pt["m"], torch.device("cpu")).call()
         chosen = table.choose(call).backend
         if chosen not in pt["ms"]:
             missing += 1  # the table's pick failed parity or could not run at this point
