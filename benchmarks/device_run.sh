@@ -38,6 +38,15 @@ for arg in "$@"; do
     tests_v) stage tests_v "$limit" python3 -m pytest -v -p no:cacheprovider -rfE tests/test_compiled_backends.py::test_compiled_dropout_masks_gpu tests/test_compiled_backends.py::test_nvfuser_and_inductor_float32_refuse_dropout_on_cuda_gpu tests/test_bias_act_dropout.py tests/test_compile.py tests/test_rng.py::test_draw_for_forms_and_seeding tests/test_nn.py::test_cuda_graph_replays_draw_new_masks tests/test_triton_bias_act_dropout.py -m "gpu or not gpu" -k "gpu or compile or draw_for or rows_kernel or host_rng" ;;
     tests_1) stage tests_1 "$limit" python3 -m pytest -v -p no:cacheprovider -rfE --durations=20 tests/test_bad_input.py tests/test_bias_act_dropout.py tests/test_calibrate.py tests/test_compile.py tests/test_dispatch.py tests/test_heuristics.py tests/test_parity_cli.py ;;
     tests_2) stage tests_2 "$limit" python3 -m pytest -v -p no:cacheprovider -rfE --durations=20 tests/test_compiled_backends.py tests/test_fused_linear.py tests/test_fuzz.py tests/test_nn.py tests/test_patch.py tests/test_rng.py tests/test_triton_bias_act_dropout.py tests/test_triton_fused_linear.py tests/test_triton_launch.py ;;
+    gpu_parallel)  # the gpu-marked suite in three pytest processes side by side, plus the parity CLI
+      start=$SECONDS; echo "=== gpu_parallel (limit ${limit}s)"
+      timeout "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=5 tests/test_fused_linear.py >"$R/gpu_a.log" 2>&1 &
+      timeout "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=5 tests/test_bias_act_dropout.py tests/test_compiled_backends.py >"$R/gpu_b.log" 2>&1 &
+      timeout "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=5 tests/test_triton_bias_act_dropout.py tests/test_triton_fused_linear.py tests/test_nn.py tests/test_patch.py tests/test_bad_input.py tests/test_calibrate.py tests/test_parity_cli.py tests/test_dispatch.py tests/test_rng.py tests/test_compile.py >"$R/gpu_c.log" 2>&1 &
+      timeout "$limit" python3 -m dispatch.parity --quick >"$R/parity.log" 2>&1 &
+      wait
+      summary+=("gpu_parallel $((SECONDS - start))s")
+      for f in gpu_a gpu_b gpu_c parity; do echo "--- $f"; tail -n "${TAILN:-12}" "$R/$f.log"; done ;;
     alltests) stage alltests "$limit" python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests ;;
     fwd_variants) stage fwd_variants "$limit" python3 benchmarks/probes/fwd_variants.py ;;
     dropout_first_call) stage dropout_first_call "$limit" python3 benchmarks/probes/probe_compiled_dropout_first_call.py --repeats 2 --jobs 8 ;;

@@ -12,10 +12,12 @@ from dispatch import rng as dropout_rng
 from dispatch.activations import ACTIVATIONS
 from dispatch.checks import FLOAT_DTYPES, bias_act_dropout_args, check_backend, fused_linear_args
 from dispatch.registry import Call
-from dispatch.select import ENV_VAR, Decision, _requested, cached_impl, decide, env_backend, select
+from dispatch.select import ENV_VAR, Decision, _requested, cached_impl, decide, env_backend, request_key, select
 
 _is_compiling = torch.compiler.is_compiling  # bound once: the attribute chain costs ~0.1 us per call
 _is_grad_enabled = torch.is_grad_enabled
+_cached_impl = cached_impl
+_requested_get = _requested.get
 
 
 def _flatten(x: Tensor, shape: torch.Size, last: int) -> tuple[int, Tensor]:
@@ -85,32 +87,34 @@ def _device_key(x: Tensor) -> object:
     return x.get_device() if x.is_cuda or x.is_cpu else x.device
 
 
-def _run_bias_act_dropout(x, x2d, m, n, bias, activation, p, rng, grad, dtype, device, backend) -> Tensor:
-    """Checked arguments -> the cached decision -> the backend; the result in x's shape."""
-    dropout = rng is not None
-    key = ("bias_act_dropout", device, dtype, m, n, activation, dropout, grad)
-    impl = cached_impl(key, backend)
+def _bias_act_dropout_impl(key: tuple, x: Tensor) -> object:
+    """The op module for a cache miss: decide, cache, return."""
+    _, _, dtype, m, n, activation, dropout, grad = key[:8]
+    decision = select(key, lambda: Call("bias_act_dropout", x.device, dtype, (m, n), activation, dropout, grad))
+    return decision.backend.ops["bias_act_dropout"]
+
+
+def _fused_linear_impl(key: tuple, x: Tensor) -> object:
+    _, _, dtype, m, n, k, activation, grad = key[:8]
+    decision = select(key, lambda: Call("fused_linear", x.device, dtype, (m, n, k), activation, False, grad))
+    return decision.backend.ops["fused_linear"]
+
+
+def _run_bias_act_dropout(x, x2d, bias, activation, p, rng, grad, key) -> Tensor:
+    """The cached decision -> the backend; the result in x's shape. ``key``: the full call signature
+    (dispatch.select.request_key)."""
+    impl = _cached_impl(key)
     if impl is None:
-        decision = select(
-            key, lambda: Call("bias_act_dropout", x.device, dtype, (m, n), activation, dropout, grad), backend
-        )
-        impl = decision.backend.ops["bias_act_dropout"]
-    if grad:
-        y = _BiasActDropout.apply(x2d, bias, impl, activation, p, rng)
-    else:
-        y = impl.forward(x2d, bias, activation, p, rng)
+        impl = _bias_act_dropout_impl(key, x)
+    y = _BiasActDropout.apply(x2d, bias, impl, activation, p, rng) if grad else impl.forward(x2d, bias, activation, p, rng)
     return y if x2d is x else y.view_as(x)  # view_as: view(x.shape) parses a torch.Size, ~2 us
 
 
-def _run_fused_linear(x, x2d, shape, m, n, k, weight, bias, activation, grad, dtype, device, backend) -> Tensor:
-    """Checked arguments -> the cached decision -> the backend; the result shaped (..., N)."""
-    key = ("fused_linear", device, dtype, m, n, k, activation, grad)
-    impl = cached_impl(key, backend)
+def _run_fused_linear(x, x2d, shape, weight, bias, activation, grad, key) -> Tensor:
+    """The cached decision -> the backend; the result shaped (..., N)."""
+    impl = _cached_impl(key)
     if impl is None:
-        decision = select(
-            key, lambda: Call("fused_linear", x.device, dtype, (m, n, k), activation, False, grad), backend
-        )
-        impl = decision.backend.ops["fused_linear"]
+        impl = _fused_linear_impl(key, x)
     if grad:
         y = _FusedLinear.apply(x2d, weight, bias, impl, activation)
     else:
@@ -118,6 +122,7 @@ def _run_fused_linear(x, x2d, shape, m, n, k, weight, bias, activation, grad, dt
         y = impl.forward(x2d, weight, bias, activation)[0] if infer is None else infer(x2d, weight, bias, activation)
     if x2d is x:
         return y
+    n = key[4]
     # integer arguments: view(*shape[:-1], n) slices a torch.Size first, ~0.7 us more
     return y.view(shape[0], shape[1], n) if len(shape) == 3 else y.view(*shape[:-1], n)
 
@@ -183,7 +188,17 @@ def fused_bias_act_dropout(
         n = shape[-1]
         m, x2d = (shape[0], x) if len(shape) == 2 else _flatten(x, shape, n)  # (M, N)
         grad = _is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-        return _run_bias_act_dropout(x, x2d, m, n, bias, activation, p, rng, grad, dtype, device, backend)
+        # The full call signature, flat (one hash): dispatch.select.request_key inlined
+        key = ("bias_act_dropout", device, dtype, m, n, activation, dropout, grad, backend,
+               None if backend is not None else _requested_get())
+        impl = _cached_impl(key)
+        if impl is None:
+            impl = _bias_act_dropout_impl(key, x)
+        if grad:
+            y = _BiasActDropout.apply(x2d, bias, impl, activation, p, rng)
+        else:
+            y = impl.forward(x2d, bias, activation, p, rng)
+        return y if x2d is x else y.view_as(x)
 
     x, bias, activation, p, dropout = bias_act_dropout_args(x, bias, activation, p, training, generator)
     check_backend(backend)
@@ -202,8 +217,8 @@ def fused_bias_act_dropout(
         return library.bias_act_dropout(x2d, bias, activation, p, rng, backend or "", _needs_grad(x, bias)).view(x.shape)
     rng = dropout_rng.draw_for(x, generator) if dropout else None
     grad = _needs_grad(x, bias)
-    m = x2d.shape[0]
-    return _run_bias_act_dropout(x, x2d, m, n, bias, activation, p, rng, grad, x.dtype, _device_key(x), backend)
+    key = ("bias_act_dropout", _device_key(x), x.dtype, x2d.shape[0], n, activation, dropout, grad, *request_key(backend))
+    return _run_bias_act_dropout(x, x2d, bias, activation, p, rng, grad, key)
 
 
 def fused_linear(
@@ -257,7 +272,9 @@ def fused_linear(
         grad = _is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
-        return _run_fused_linear(x, x2d, shape, m, n, k, weight, bias, activation, grad, dtype, device, backend)
+        key = ("fused_linear", device, dtype, m, n, k, activation, grad, backend,
+               None if backend is not None else _requested_get())
+        return _run_fused_linear(x, x2d, shape, weight, bias, activation, grad, key)
 
     x, weight, bias, activation = fused_linear_args(x, weight, bias, activation)
     check_backend(backend)
@@ -273,8 +290,8 @@ def fused_linear(
 
             return forward(x2d, weight, bias, activation)[0].view(*x.shape[:-1], n)
         return library.fused_linear(x2d, weight, bias, activation, backend or "", grad).view(*x.shape[:-1], n)
-    shape = x.shape
-    return _run_fused_linear(x, x2d, shape, x2d.shape[0], n, k, weight, bias, activation, grad, x.dtype, _device_key(x), backend)
+    key = ("fused_linear", _device_key(x), x.dtype, x2d.shape[0], n, k, activation, grad, *request_key(backend))
+    return _run_fused_linear(x, x2d, x.shape, weight, bias, activation, grad, key)
 
 
 def explain(op_name: str, *args: Any, **kwargs: Any) -> Decision:

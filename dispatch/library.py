@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from dispatch.registry import Call
-from dispatch.select import select
+from dispatch.select import request_key, select
 
 _EMPTY = (0,)
 
@@ -41,10 +41,8 @@ def inline(backend: Optional[str]) -> bool:
 
 
 def _impl(op: str, x: Tensor, shape: tuple[int, ...], activation: str, dropout: bool, training: bool, backend: str):
-    key = (op, x.device, x.dtype, *shape, activation, dropout, training)
-    decision = select(
-        key, lambda: Call(op, x.device, x.dtype, shape, activation, dropout, training), backend or None
-    )
+    key = (op, x.device, x.dtype, *shape, activation, dropout, training, *request_key(backend or None))
+    decision = select(key, lambda: Call(op, x.device, x.dtype, shape, activation, dropout, training))
     return decision.backend.ops[op]
 
 

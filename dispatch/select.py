@@ -62,34 +62,35 @@ def use_backend(name: str) -> Iterator[None]:
         _requested.reset(token)
 
 
-def cached_impl(key: tuple, backend: Optional[str]) -> Optional[object]:
-    """The hot path: the op module of the backend cached for the call signature ``key`` (its first
-    item is the op's name), or None on a miss (then ``select``); one dictionary lookup."""
-    if backend is not None:
-        return _impls.get((key, backend, _ARGUMENT))
-    backend = _requested.get()
-    if backend is not None:
-        return _impls.get((key, backend, _CONTEXT))
-    return _impls.get((key, _env_backend, ENV_VAR))
+def cached_impl(key: tuple) -> Optional[object]:
+    """The hot path: the op module cached for the full call signature ``key`` (see ``request_key``),
+    or None on a miss (then ``select``); one dictionary lookup."""
+    return _impls.get(key)
 
 
-def select(key: tuple, make_call: Callable[[], Call], backend: Optional[str]) -> Decision:
-    """A cached decision for the call signature ``key``, deciding on a miss."""
+def request_key(backend: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """The last two items of a full cache key: (the backend= argument, use_backend()'s name). The
+    position tells the two sources apart; DISPATCH_BACKEND needs no place, as ``clear_cache()`` (which
+    re-reads it) empties the cache."""
+    return (backend, None) if backend is not None else (None, _requested.get())
+
+
+def select(key: tuple, make_call: Callable[[], Call]) -> Decision:
+    """A cached decision for the full call signature ``key`` (its first item is the op's name, its last
+    two ``request_key``'s), deciding on a miss."""
+    backend, context = key[-2:]
     source = _ARGUMENT
     if backend is None:
-        backend = _requested.get()
-        source = _CONTEXT
+        backend, source = context, _CONTEXT
         if backend is None:
-            backend = _env_backend
-            source = ENV_VAR
-    full = (key, backend, source)
-    found = _cache.get(full)
+            backend, source = _env_backend, ENV_VAR
+    found = _cache.get(key)
     if found is None:
         if len(_cache) >= _CACHE_LIMIT:
             _cache.clear()
             _impls.clear()
-        found = _cache[full] = decide(make_call(), backend, source)
-        _impls[full] = found.backend.ops[key[0]]
+        found = _cache[key] = decide(make_call(), backend, source)
+        _impls[key] = found.backend.ops[key[0]]
     return found
 
 
