@@ -464,3 +464,27 @@ def test_a_failing_worker_is_reported_not_fatal():
     results, summary = calibrate_workers.check([job], 1, 120, Nonsense())
     assert results == {} and summary["unfinished"] == 1
     assert len(summary["worker_errors"]) == 1 and "no-such-device" in summary["worker_errors"][0]
+
+
+def test_stream_timing_counts_host_time_and_clears_grads():
+    """stream_ms: back-to-back calls, so a host-bound call's host time is what it reports; grads
+    cleared before each call as do_bench does; the call count follows the budget within [3, 200]."""
+    import time as _time
+
+    leaf = torch.randn(3, requires_grad=True)
+    seen = []
+
+    def fn():
+        seen.append(leaf.grad is None)
+        leaf.grad = torch.ones(3)
+        _time.sleep(0.002)
+
+    ms = calibrate_bench.stream_ms(fn, [leaf], budget_ms=8.0, estimate_ms=2.0, device=torch.device("cpu"))
+    assert len(seen) == 4 and all(seen)
+    assert 2.0 <= ms < 20.0
+    seen.clear()
+    calibrate_bench.stream_ms(fn, [leaf], budget_ms=0.1, estimate_ms=2.0, device=torch.device("cpu"))
+    assert len(seen) == 3
+    seen.clear()
+    calibrate_bench.stream_ms(lambda: seen.append(1), [], budget_ms=1e6, estimate_ms=1e-6, device=torch.device("cpu"))
+    assert len(seen) == 200
