@@ -290,17 +290,21 @@ def stream_ms(
 ) -> float:
     """Wall milliseconds per call of ``fn`` called back to back, one synchronization at the end: the
     larger of the host's time per call and the device's (with a warm L2 for small inputs, which is why
-    ``time_ms`` takes the larger of this and do_bench). Enough calls to fill ``budget_ms`` by
-    ``estimate_ms``, 3 to 200."""
-    calls = min(200, max(3, int(budget_ms / max(estimate_ms, 1e-3))))
+    ``time_ms`` takes the larger of this and do_bench). At least 3 calls; then it stops once the host
+    has spent ``budget_ms`` or the device has that much queued by ``estimate_ms`` (at most 200 calls):
+    a host-bound call would overrun a count fixed by the device's estimate."""
+    most = min(200, max(3, int(budget_ms / max(estimate_ms, 1e-3))))
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    for _ in range(calls):
+    deadline = start + budget_ms / 1e3
+    calls = 0
+    while calls < 3 or (calls < most and time.perf_counter() < deadline):
         for t in grad_to_none:
             t.grad = None
         fn()
+        calls += 1
     if cuda:
         torch.cuda.synchronize(device)
     return (time.perf_counter() - start) * 1e3 / calls

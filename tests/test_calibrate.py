@@ -480,7 +480,7 @@ def test_stream_timing_counts_host_time_and_clears_grads():
         _time.sleep(0.002)
 
     ms = calibrate_bench.stream_ms(fn, [leaf], budget_ms=8.0, estimate_ms=2.0, device=torch.device("cpu"))
-    assert len(seen) == 4 and all(seen)
+    assert 3 <= len(seen) <= 4 and all(seen)
     assert 2.0 <= ms < 20.0
     seen.clear()
     calibrate_bench.stream_ms(fn, [leaf], budget_ms=0.1, estimate_ms=2.0, device=torch.device("cpu"))
@@ -488,3 +488,6 @@ def test_stream_timing_counts_host_time_and_clears_grads():
     seen.clear()
     calibrate_bench.stream_ms(lambda: seen.append(1), [], budget_ms=1e6, estimate_ms=1e-6, device=torch.device("cpu"))
     assert len(seen) == 200
+    seen.clear()  # a host-bound call: the estimate says 200 calls, the host's clock stops it far sooner
+    calibrate_bench.stream_ms(fn, [leaf], budget_ms=10.0, estimate_ms=1e-6, device=torch.device("cpu"))
+    assert 3 <= len(seen) <= 6
