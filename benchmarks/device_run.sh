@@ -61,6 +61,7 @@ for arg in "$@"; do
     bench_linear_quick) stage bench_linear_quick "$limit" python3 benchmarks/bench_fused_linear.py --quick --out "$R" ;;
     bench_overhead) stage bench_overhead "$limit" python3 benchmarks/bench_dispatch_overhead.py --out "$R" ;;
     e2e_profile) stage e2e_profile "$limit" python3 benchmarks/probes/probe_e2e_profile.py ;;
+    e2e_profile_compile) stage e2e_profile_compile "$limit" python3 benchmarks/probes/probe_e2e_profile.py --configs compile,compile+patched ;;
     bench_e2e) stage bench_e2e "$limit" python3 benchmarks/bench_e2e.py --out "$R" ;;
     bench_e2e_quick) stage bench_e2e_quick "$limit" python3 benchmarks/bench_e2e.py --quick --out "$R" ;;
     parity) stage parity "$limit" python3 -m dispatch.parity --quick ;;

@@ -181,6 +181,28 @@ def rank(ms: dict[str, float]) -> list[str]:
     return [winner] + sorted((b for b in ms if b != winner), key=lambda b: (ms[b], pref[b]))
 
 
+PRUNE = 0.3  # a backend this much slower than the fastest at two or more points of a series is dropped
+
+
+def contenders(names: list[str], points: dict[int, dict], prune: float = PRUNE) -> list[str]:
+    """``names`` less the backends a series has already seen lose clearly: timed at two or more of its
+    points and slower than that point's fastest by more than ``prune`` at every one. eager stays (the
+    speedups are over it). The series' later points (the rest of the grid, the bisection) then time
+    only the contenders; held-out points time everyone, so the self-check sees what pruning missed.
+    Series measure their grid's middle, then its largest M, then the rest, so the first two
+    points are far apart in M: a backend that wins only at large M is not dropped for its host
+    overhead at small M.
+    On the H200 this drops, e.g., the traced-Philox dropout of nvfuser and inductor (7-200x triton's
+    time) after the first two points instead of timing them at every point."""
+    keep = []
+    for name in names:
+        seen = [p["ms"] for p in points.values() if name in p["ms"]]
+        beaten = len(seen) >= 2 and all(ms[name] > (1 + prune) * min(ms.values()) for ms in seen)
+        if name == "eager" or not beaten:
+            keep.append(name)
+    return keep
+
+
 def to_bisect(points: dict[int, dict], ratio: float) -> list[int]:
     """New M between neighbouring measured points whose winners differ and that are still far apart."""
     ms = sorted(m for m, p in points.items() if p["ms"])

@@ -13,7 +13,18 @@ from tqdm import tqdm
 
 from dispatch import calibrate_bench as bench
 from dispatch import calibrate_workers
-from dispatch.calibrate_plan import NOISE, Plan, Series, classes, fit, held_out_ms, rank, to_bisect
+from dispatch.calibrate_plan import (
+    NOISE,
+    Plan,
+    Series,
+    classes,
+    contenders,
+    fit,
+    held_out_ms,
+    rank,
+    spread,
+    to_bisect,
+)
 from dispatch.registry import backends
 
 
@@ -131,13 +142,15 @@ class Run:
         """Coarse grid, bisection where the winner changes, held-out points; members share the result
         until the member phase checks them."""
         points: dict[int, dict] = {}
-        pending = self.plan.grid(s.op, features)
+        grid = self.plan.grid(s.op, features)
+        # the middle and the largest M first, then the rest evenly: see contenders()
+        pending = [m for m in dict.fromkeys([*spread(grid)[:1], grid[-1], *spread(grid)])]
         while pending and not self.over():
             for m in pending:
                 if self.over():
                     break
                 case = self.case(s, s.rep, m, features)
-                points[m] = self.measure(case, self.names(case))
+                points[m] = self.measure(case, contenders(self.names(case), points))
             pending = [m for m in to_bisect(points, self.plan.ratio) if m not in points]
         measured = sorted(points)
         held = []

@@ -37,7 +37,7 @@ def fake_backends(monkeypatch):
     def timer(name, case, inp):
         return (name, case), []
 
-    def time_ms(fn, leaves, device, quick, training, share=1.0):
+    def time_ms(fn, leaves, device, quick, training, share=1.0, warm=True):
         name, case = fn
         return cost[name](case.m) * extra.get(case.activation, 1.0)
 
@@ -416,9 +416,9 @@ def test_timing_rounds_interleave_the_backends(monkeypatch):
     """time_all times every backend once per round, rotating who goes first, and keeps the median of
     its rounds; a backend whose timing raises is reported, the others still timed."""
     calls = []
-    values = {"a": [3.0, 1.0, 2.0], "b": [5.0, 5.0, 9.0], "c": []}
+    values = {"a": [3.0, 1.0, 2.0], "b": [4.0, 4.0, 4.5], "c": []}
 
-    def time_ms(fn, leaves, device, quick, training, share=1.0):
+    def time_ms(fn, leaves, device, quick, training, share=1.0, warm=True):
         calls.append(fn)
         assert share == pytest.approx(1 / calibrate_bench.ROUNDS)
         if fn == "c":
@@ -429,7 +429,7 @@ def test_timing_rounds_interleave_the_backends(monkeypatch):
     timers = {name: (name, []) for name in "abc"}
     times, spent = calibrate_bench.time_all(timers, torch.device("cpu"), True, False)
     assert calls == ["a", "b", "c", "b", "a", "a", "b"]  # rounds a b c, b (c) a, (c) a b
-    assert times["a"] == 2.0 and times["b"] == 5.0 and isinstance(times["c"], RuntimeError)
+    assert times["a"] == 2.0 and times["b"] == 4.0 and isinstance(times["c"], RuntimeError)
     assert set(spent) == {"a", "b", "c"}
 
 
@@ -468,26 +468,67 @@ def test_a_failing_worker_is_reported_not_fatal():
 
 def test_stream_timing_counts_host_time_and_clears_grads():
     """stream_ms: back-to-back calls, so a host-bound call's host time is what it reports; grads
-    cleared before each call as do_bench does; the call count follows the budget within [3, 200]."""
+    cleared before each call as do_bench does; 3 calls for a long call, else as many as fill the
+    budget by the first estimate (3 to 200)."""
     import time as _time
 
     leaf = torch.randn(3, requires_grad=True)
     seen = []
 
-    def fn():
+    def slow():  # longer than LONG_MS: three calls and done
         seen.append(leaf.grad is None)
         leaf.grad = torch.ones(3)
-        _time.sleep(0.002)
+        _time.sleep(calibrate_bench.LONG_MS * 2e-3)
 
-    ms = calibrate_bench.stream_ms(fn, [leaf], budget_ms=8.0, estimate_ms=2.0, device=torch.device("cpu"))
-    assert 3 <= len(seen) <= 4 and all(seen)
-    assert 2.0 <= ms < 20.0
+    cpu = torch.device("cpu")
+    ms = calibrate_bench.stream_ms(slow, [leaf], budget_ms=100.0, device=cpu)
+    assert len(seen) == 3 and all(seen)
+    assert calibrate_bench.LONG_MS * 2 <= ms < calibrate_bench.LONG_MS * 20
+
     seen.clear()
-    calibrate_bench.stream_ms(fn, [leaf], budget_ms=0.1, estimate_ms=2.0, device=torch.device("cpu"))
-    assert len(seen) == 3
+
+    def short():
+        seen.append(leaf.grad is None)
+        leaf.grad = torch.ones(3)
+        _time.sleep(0.1e-3)
+
+    ms = calibrate_bench.stream_ms(short, [leaf], budget_ms=3.0, device=cpu)
+    assert 0.1 <= ms < calibrate_bench.LONG_MS and all(seen)
+    assert 3 + 3 <= len(seen) <= 3 + 30  # the second pass: about budget / first estimate calls
     seen.clear()
-    calibrate_bench.stream_ms(lambda: seen.append(1), [], budget_ms=1e6, estimate_ms=1e-6, device=torch.device("cpu"))
-    assert len(seen) == 200
-    seen.clear()  # a host-bound call: the estimate says 200 calls, the host's clock stops it far sooner
-    calibrate_bench.stream_ms(fn, [leaf], budget_ms=10.0, estimate_ms=1e-6, device=torch.device("cpu"))
-    assert 3 <= len(seen) <= 6
+    calibrate_bench.stream_ms(lambda: seen.append(1), [], budget_ms=1e6, device=cpu)
+    assert len(seen) == 3 + 200
+
+
+def test_slow_calls_get_one_timing_round(monkeypatch):
+    """time_all: a backend whose first round took SLOW_MS or more is not timed again; the others get
+    every round; the first round warms each backend up (warm=True), later rounds do not."""
+    calls = []
+
+    def fake_time_ms(fn, leaves, device, quick, training, share=1.0, warm=True):
+        calls.append((fn(), warm))
+        return {"slow": calibrate_bench.SLOW_MS * 2, "fast": 0.1}[fn()]
+
+    monkeypatch.setattr(calibrate_bench, "time_ms", fake_time_ms)
+    timers = {"slow": (lambda: "slow", []), "fast": (lambda: "fast", [])}
+    out, _ = calibrate_bench.time_all(timers, torch.device("cpu"), False, False)
+    assert out == {"slow": calibrate_bench.SLOW_MS * 2, "fast": 0.1}
+    assert [c for c in calls if c[0] == "slow"] == [("slow", True)]
+    assert [w for n, w in calls if n == "fast"] == [True] + [False] * (calibrate_bench.ROUNDS - 1)
+
+
+def test_contenders_drop_clear_losers_after_two_points():
+    from dispatch.calibrate_plan import PRUNE, contenders
+
+    names = ["eager", "triton", "nvfuser", "inductor"]
+    slow = 1 + PRUNE + 0.05
+    one = {256: {"ms": {"eager": 1.0, "triton": 0.5, "nvfuser": 0.5 * slow, "inductor": 0.6}}}
+    assert contenders(names, one) == names  # one point is not enough to judge
+    two = {**one, 65536: {"ms": {"eager": 2.0, "triton": 1.0, "nvfuser": 1.0 * slow, "inductor": 0.9}}}
+    # nvfuser lost by more than PRUNE at both; inductor lost at one and won at the other; eager stays
+    assert contenders(names, two) == ["eager", "triton", "inductor"]
+    # a backend absent from a point (rejected there) is judged on the points that timed it
+    three = {**two, 1: {"ms": {"eager": 0.1, "triton": 0.1}}}
+    assert contenders(names, three) == ["eager", "triton", "inductor"]
+    near = {m: {"ms": {"eager": 1.0, "triton": 1.0 + PRUNE - 0.01}} for m in (1, 2)}
+    assert contenders(["eager", "triton"], near) == ["eager", "triton"]

@@ -8,6 +8,7 @@ that got slower kernels, or a host that stopped keeping the GPU fed.
 
     PYTHONPATH=. python3 benchmarks/probes/probe_e2e_profile.py [--steps 3] [--layers 12]
     PYTHONPATH=. python3 benchmarks/probes/probe_e2e_profile.py --tiny     # CPU smoke run
+    ... --configs compile,compile+patched    # issue 7's other target: where compile+patched loses
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--configs", default="eager,patched", help="from eager,patched,compile,compile+patched")
     a = p.parse_args()
     args = argparse.Namespace(
         tiny=a.tiny, layers=2 if a.tiny else a.layers, dropout=0.1, vocab=1024 if a.tiny else 50257,
@@ -83,13 +85,16 @@ def main() -> None:
         for i in range(0, len(tokens), args.batch)
     ]
     summary = []
-    for name in ("eager", "patched"):
-        model, _ = bench_e2e.build(config, state, device, patched=name == "patched")
+    for name in a.configs.split(","):
+        model, _ = bench_e2e.build(config, state, device, patched="patched" in name)
+        if name.startswith("compile"):  # the warm-up steps in profile() compile it
+            model = torch.compile(model)
         wall, busy, top = profile(model, batches, a.steps, device)
         summary.append([name, f"{wall:.2f}", f"{busy:.2f}", f"{wall - busy:.2f}"])
         print(f"--- {name}: top kernels (ms per step, calls per step)")
         print(tabulate([[k, f"{ms:.3f}", f"{n:.0f}"] for k, ms, n in top], headers=["kernel", "ms", "calls"]))
         del model
+        torch._dynamo.reset()
     print(tabulate(summary, headers=["config", "wall ms/step", "kernel ms/step", "not kernel"]))
 
 
