@@ -107,7 +107,7 @@ def default_plan(device: torch.device, quick: bool, budget: Optional[float]) -> 
             "fused_linear": spread(list(FULL_LINEAR)),
         },
         tokens=(1, 16, 256, 4096, 65536) if gpu else (1, 16, 256, 4096),
-        ratio=1.5,
+        ratio=2.0,  # bisect until neighbours are within 2x in M: near a crossover the two are near-tied
         max_elements=2**28 if gpu else 2**24,
         max_macs=2**38 if gpu else 2**32,
         held_out=1,
