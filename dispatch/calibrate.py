@@ -218,6 +218,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "warm_up": warmed,
             "parallel_checks": checked,
             "parallel_member_checks": member_checks,
+            "series_seconds": run.series_log,
             "seconds_by_backend": {
                 n: {k: round(v, 1) for k, v in c.items()} for n, c in sorted(run.cost.items())
             },

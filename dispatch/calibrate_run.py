@@ -56,6 +56,9 @@ class Run:
         # seconds spent per backend: "check" (parity gate, first-call compiles included) and "time"
         self.cost: dict[str, dict[str, float]] = {}
         self.held_sizes: list[dict] = list((previous or {}).get("held_out_sizes", []))
+        # per series: its label, sizes, points, wall seconds and timing seconds by backend (where a
+        # full run's time goes; settings.series_seconds in the table)
+        self.series_log: list[dict] = []
 
     def spent(self, name: str, what: str, since: float) -> None:
         entry = self.cost.setdefault(name, {"check": 0.0, "time": 0.0})
@@ -142,6 +145,8 @@ class Run:
         """Coarse grid, bisection where the winner changes, held-out points; members share the result
         until the member phase checks them."""
         points: dict[int, dict] = {}
+        start = time.monotonic()
+        before = {n: c["time"] for n, c in self.cost.items()}
         grid = self.plan.grid(s.op, features)
         # the middle and the largest M first, then the rest evenly: see contenders()
         pending = [m for m in dict.fromkeys([*spread(grid)[:1], grid[-1], *spread(grid)])]
@@ -161,6 +166,16 @@ class Run:
                 case = self.case(s, s.rep, m, features)
                 held.append(self.measure(case, self.names(case)))
         self.add(s, s.rep, features, [points[m] for m in measured], held, True)
+        timing = {n: round(c["time"] - before.get(n, 0.0), 2) for n, c in self.cost.items()}
+        self.series_log.append(
+            {
+                "series": s.label,
+                "features": list(features),
+                "points": len(measured) + len(held),
+                "seconds": round(time.monotonic() - start, 2),
+                "timing_s": {n: t for n, t in timing.items() if t},
+            }
+        )
         for member in s.members:
             self.add(
                 s, member, features, [{**points[m], "err": {}, "rejected": {}} for m in measured], [], False

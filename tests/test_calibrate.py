@@ -189,6 +189,10 @@ def test_tiny_real_run_on_cpu(user_dir, capsys):
     assert {e["op"] for e in table.data["entries"]} == {"bias_act_dropout", "fused_linear"}
     for e in table.data["entries"]:
         assert all(p["ms"]["eager"] > 0 for p in e["points"])
+    log = table.data["settings"]["series_seconds"]  # where the time went, series by series
+    assert {tuple(r["features"]) for r in log} == {(64,), (64, 32)}
+    assert len(log) == table.data["settings"]["series_measured"]
+    assert all(r["points"] >= 2 and r["seconds"] > 0 and r["timing_s"]["eager"] > 0 for r in log)
     call = Call("fused_linear", torch.device("cpu"), torch.float32, (4, 64, 32), "gelu", False, False)
     assert table.choose(call).backend == "eager"
     capsys.readouterr()
