@@ -542,7 +542,7 @@ def test_bisection_points_are_multiples_of_16_where_one_fits():
     def two(a, b):
         return {a: {"ms": {"eager": 1.0, "triton": 2.0}}, b: {"ms": {"eager": 2.0, "triton": 1.0}}}
 
-    assert to_bisect(two(4096, 6096), 1.5) == [4992]  # sqrt is 4997
+    assert to_bisect(two(4096, 6096), 1.2) == [4992]  # sqrt is 4997
     assert to_bisect(two(256, 4096), 1.5) == [1024]
     assert to_bisect(two(16, 32), 1.2) == [23]  # no multiple of 16 strictly between
     assert to_bisect(two(1, 16), 1.5) == [4]
