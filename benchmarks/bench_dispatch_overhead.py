@@ -4,8 +4,8 @@ The overhead is everything the public op adds in steady state: argument checks, 
 the cached decision and the final view. Both sides run on tiny tensors, so the time is host time:
 the direct side calls what the op would call (``impl.forward``, or the autograd glue when an input
 requires grad, plus the dropout draw when dropout is on). Timed with ``time.perf_counter`` over
-``--calls`` back-to-back calls, median of ``--repeats`` repeats, the two sides interleaved so that
-drift hits both. (``do_bench`` times device kernels; this is host time, so it is not used here.)
+``--calls`` back-to-back calls, median of ``--repeats`` samples, the two sides interleaved so that
+drift hits both, and the samples of every case spread over the whole run (passes over all cases). (``do_bench`` times device kernels; this is host time, so it is not used here.)
 
 Rows with backend "null" isolate the overhead from kernel-time noise: a stand-in backend whose
 forward returns a preallocated tensor, chosen through ``DISPATCH_BACKEND`` so the steady-state path
@@ -17,11 +17,12 @@ a 256-element GELU took 0.1-0.8 ms with two threads on a busy 2-core machine, dr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -50,23 +51,21 @@ def _per_call_us(fn: Callable[[], object], calls: int, device: torch.device) -> 
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def _measure(
-    api: Callable[[], object], direct: Callable[[], object], calls: int, repeats: int, device
-) -> tuple[float, float, float, float]:
-    """Median per-call microseconds of api, of direct, and of their difference within each repeat; and
-    min(api) - min(direct), the cost with host noise (which only ever adds time) least in the way."""
-    for fn in (api, direct):  # warm up: the decision cache, allocator, kernels
+def _sample(api: Callable[[], object], direct: Callable[[], object], calls: int, device) -> tuple[float, float]:
+    """One timed loop of each side after a warm-up (the decision cache, allocator, kernels): per-call
+    microseconds of api and of direct."""
+    for fn in (api, direct):
         for _ in range(50):
             fn()
-    api_us, direct_us, diff_us = [], [], []
-    for _ in range(repeats):
-        a = _per_call_us(api, calls, device)
-        d = _per_call_us(direct, calls, device)
-        api_us.append(a)
-        direct_us.append(d)
-        diff_us.append(a - d)
-    medians = statistics.median(api_us), statistics.median(direct_us), statistics.median(diff_us)
-    return (*medians, min(api_us) - min(direct_us))
+    return _per_call_us(api, calls, device), _per_call_us(direct, calls, device)
+
+
+def _summary(samples: list[tuple[float, float]]) -> tuple[float, float, float, float]:
+    """Median per-call microseconds of api, of direct, and of their difference within each sample; and
+    min(api) - min(direct), the cost with host noise (which only ever adds time) least in the way."""
+    api_us, direct_us = [a for a, _ in samples], [d for _, d in samples]
+    medians = statistics.median(api_us), statistics.median(direct_us)
+    return (*medians, statistics.median(a - d for a, d in samples), min(api_us) - min(direct_us))
 
 
 def _infer(impl) -> Callable:
@@ -199,17 +198,16 @@ def _chosen_cases(device: torch.device) -> list[Case]:
     ]
 
 
-def _measure_with_env(
-    case: Case, calls: int, repeats: int, device: torch.device
-) -> tuple[float, float, float, float]:
-    """Times a case; the null backend is chosen through DISPATCH_BACKEND, read by clear_cache()."""
-    backend, _, _, api, direct = case
+@contextlib.contextmanager
+def _env_for(case: Case) -> Iterator[None]:
+    """The null backend is chosen through DISPATCH_BACKEND, read by clear_cache()."""
+    backend = case[0]
     before = os.environ.get(ENV_VAR)
     if backend.startswith("null"):
         os.environ[ENV_VAR] = backend
     clear_cache()
     try:
-        return _measure(api, direct, calls, repeats, device)
+        yield
     finally:
         if before is None:
             os.environ.pop(ENV_VAR, None)
@@ -229,24 +227,32 @@ def main() -> None:
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():
         devices.append(torch.device("cuda", torch.cuda.current_device()))
+    cases = [(device, case) for device in devices for case in _null_cases(device) + _chosen_cases(device)]
+    # Passes over every case, so each case's samples spread over the whole run: the H200 host swings
+    # between fast and slow phases for seconds (2x on these microseconds), which used to land on
+    # whichever cases were being timed then.
+    samples: list[list[tuple[float, float]]] = [[] for _ in cases]
+    for _ in range(args.repeats):
+        for i, (device, case) in enumerate(cases):
+            with _env_for(case):
+                samples[i].append(_sample(case[3], case[4], args.calls, device))
     rows = []
-    for device in devices:
-        for case in _null_cases(device) + _chosen_cases(device):
-            api_us, direct_us, overhead_us, best_us = _measure_with_env(case, args.calls, args.repeats, device)
-            backend, op, mode = case[:3]
-            rows.append(
-                {
-                    "device": device.type,
-                    "backend": backend,
-                    "op": op,
-                    "mode": mode,
-                    "api_us": round(api_us, 2),
-                    "direct_us": round(direct_us, 2),
-                    "overhead_us": round(overhead_us, 2),
-                    "min_overhead_us": round(best_us, 2),
-                    "ok": overhead_us <= TARGET_US,
-                }
-            )
+    for (device, case), got in zip(cases, samples):
+        api_us, direct_us, overhead_us, best_us = _summary(got)
+        backend, op, mode = case[:3]
+        rows.append(
+            {
+                "device": device.type,
+                "backend": backend,
+                "op": op,
+                "mode": mode,
+                "api_us": round(api_us, 2),
+                "direct_us": round(direct_us, 2),
+                "overhead_us": round(overhead_us, 2),
+                "min_overhead_us": round(best_us, 2),
+                "ok": overhead_us <= TARGET_US,
+            }
+        )
     common.write("dispatch_overhead", rows, args.out)
     null = [r for r in rows if r["backend"].startswith("null")]
     worst = max(r["overhead_us"] for r in null)
