@@ -5,7 +5,8 @@ the cached decision and the final view. Both sides run on tiny tensors, so the t
 the direct side calls what the op would call (``impl.forward``, or the autograd glue when an input
 requires grad, plus the dropout draw when dropout is on). Timed with ``time.perf_counter`` over
 ``--calls`` back-to-back calls, median of ``--repeats`` samples, the two sides interleaved so that
-drift hits both, and the samples of every case spread over the whole run (passes over all cases). (``do_bench`` times device kernels; this is host time, so it is not used here.)
+drift hits both, and the samples of every case spread over the whole run (passes over all cases).
+(``do_bench`` times device kernels; this is host time, so it is not used here.)
 
 Rows with backend "null" isolate the overhead from kernel-time noise: a stand-in backend whose
 forward returns a preallocated tensor, chosen through ``DISPATCH_BACKEND`` so the steady-state path
@@ -51,7 +52,9 @@ def _per_call_us(fn: Callable[[], object], calls: int, device: torch.device) -> 
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def _sample(api: Callable[[], object], direct: Callable[[], object], calls: int, device) -> tuple[float, float]:
+def _sample(
+    api: Callable[[], object], direct: Callable[[], object], calls: int, device
+) -> tuple[float, float]:
     """One timed loop of each side after a warm-up (the decision cache, allocator, kernels): per-call
     microseconds of api and of direct."""
     for fn in (api, direct):
