@@ -167,16 +167,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warmed = _warm(plan, run, ahead, bar)
         bar.reset(total=len(todo))
         bar.unit = "series"
-        # a full run keeps 40% of its budget for what follows the series: the unmeasured sizes (to
-        # 65%), the deferred parity checks (to 85%) and the member checks (to 100%); a quick run with
-        # workers keeps 30% for its deferred checks
-        run.reserve = (0.3 if run.workers else 0.0) if plan.quick else 0.4
+        # a full run keeps 32% of its budget for what follows the series: the unmeasured sizes (to
+        # 75%), the deferred parity checks (to 90%) and the member checks (to 100%); session 4's run
+        # needed 11% and 5% of its budget for the last two. A quick run with workers keeps 30% for
+        # its deferred checks
+        run.reserve = (0.3 if run.workers else 0.0) if plan.quick else 0.32
         for s, features in todo:
             if run.over():
                 break
             run.series(s, features)
             bar.update()
-        run.reserve = 0.0 if plan.quick else 0.35
+        run.reserve = 0.0 if plan.quick else 0.25
         if plan.held_out_sizes and not run.over() and not run.held_sizes:
             bar.reset(total=len(series) * plan.held_out_sizes)
             bar.unit = "point"
@@ -184,7 +185,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         member_checks = None
         run.reserve = 0.0
         # even past the budget: unchecked timings never reach a table
-        share = 1.0 if plan.quick else 0.85
+        share = 1.0 if plan.quick else 0.9
         left = plan.budget_s * share - (time.monotonic() - run.start)
         checked = calibrate_checks.check_deferred(run, max(30.0, left))
         if not plan.quick:  # past the budget, members keep only what the workers checked
