@@ -12,7 +12,16 @@ from dispatch import rng as dropout_rng
 from dispatch.activations import ACTIVATIONS
 from dispatch.checks import FLOAT_DTYPES, bias_act_dropout_args, check_backend, fused_linear_args
 from dispatch.registry import Call
-from dispatch.select import ENV_VAR, Decision, _requested, cached_impl, decide, env_backend, request_key, select
+from dispatch.select import (
+    ENV_VAR,
+    Decision,
+    _requested,
+    cached_impl,
+    decide,
+    env_backend,
+    request_key,
+    select,
+)
 
 _is_compiling = torch.compiler.is_compiling  # bound once: the attribute chain costs ~0.1 us per call
 _is_grad_enabled = torch.is_grad_enabled
@@ -90,7 +99,9 @@ def _device_key(x: Tensor) -> object:
 def _bias_act_dropout_impl(key: tuple, x: Tensor) -> object:
     """The op module for a cache miss: decide, cache, return."""
     _, _, dtype, m, n, activation, dropout, grad = key[:8]
-    decision = select(key, lambda: Call("bias_act_dropout", x.device, dtype, (m, n), activation, dropout, grad))
+    decision = select(
+        key, lambda: Call("bias_act_dropout", x.device, dtype, (m, n), activation, dropout, grad)
+    )
     return decision.backend.ops["bias_act_dropout"]
 
 
@@ -106,7 +117,10 @@ def _run_bias_act_dropout(x, x2d, bias, activation, p, rng, grad, key) -> Tensor
     impl = _cached_impl(key)
     if impl is None:
         impl = _bias_act_dropout_impl(key, x)
-    y = _BiasActDropout.apply(x2d, bias, impl, activation, p, rng) if grad else impl.forward(x2d, bias, activation, p, rng)
+    if grad:
+        y = _BiasActDropout.apply(x2d, bias, impl, activation, p, rng)
+    else:
+        y = impl.forward(x2d, bias, activation, p, rng)
     return y if x2d is x else y.view_as(x)  # view_as: view(x.shape) parses a torch.Size, ~2 us
 
 
@@ -217,7 +231,10 @@ def fused_bias_act_dropout(
         return library.bias_act_dropout(x2d, bias, activation, p, rng, backend or "", _needs_grad(x, bias)).view(x.shape)
     rng = dropout_rng.draw_for(x, generator) if dropout else None
     grad = _needs_grad(x, bias)
-    key = ("bias_act_dropout", _device_key(x), x.dtype, x2d.shape[0], n, activation, dropout, grad, *request_key(backend))
+    key = (
+        "bias_act_dropout", _device_key(x), x.dtype, x2d.shape[0], n, activation, dropout, grad,
+        *request_key(backend),
+    )  # fmt: skip
     return _run_bias_act_dropout(x, x2d, bias, activation, p, rng, grad, key)
 
 
@@ -290,7 +307,9 @@ def fused_linear(
 
             return forward(x2d, weight, bias, activation)[0].view(*x.shape[:-1], n)
         return library.fused_linear(x2d, weight, bias, activation, backend or "", grad).view(*x.shape[:-1], n)
-    key = ("fused_linear", _device_key(x), x.dtype, x2d.shape[0], n, k, activation, grad, *request_key(backend))
+    key = (
+        "fused_linear", _device_key(x), x.dtype, x2d.shape[0], n, k, activation, grad, *request_key(backend)
+    )  # fmt: skip
     return _run_fused_linear(x, x2d, x.shape, weight, bias, activation, grad, key)
 
 
