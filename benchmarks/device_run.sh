@@ -5,8 +5,10 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 R="$OUT/results"
-mkdir -p "$R"
-export DISPATCH_HEURISTICS_DIR="${DISPATCH_HEURISTICS_DIR:-$R}"  # calibrate writes here; later stages use it
+mkdir -p "$R/tables"
+# calibrate writes its table here and later stages use it (a folder of its own: the loader reads every
+# .json in it, and the other results are not tables)
+export DISPATCH_HEURISTICS_DIR="${DISPATCH_HEURISTICS_DIR:-$R/tables}"
 summary=()
 
 stage() {  # stage NAME SECONDS CMD...
@@ -65,10 +67,10 @@ for arg in "$@"; do
     bench_e2e) stage bench_e2e "$limit" python3 benchmarks/bench_e2e.py --out "$R" ;;
     bench_e2e_quick) stage bench_e2e_quick "$limit" python3 benchmarks/bench_e2e.py --quick --out "$R" ;;
     parity) stage parity "$limit" python3 -m dispatch.parity --quick ;;
-    calibrate) stage calibrate "$limit" python3 -m dispatch.calibrate --budget $((limit - 30)) --out "$R/nvidia-h200.json" ;;
-    calibrate_resume) cp "${RESUME_FROM:?}" "$R/nvidia-h200.json"; stage calibrate_resume "$limit" python3 -m dispatch.calibrate --resume --budget $((limit - 30)) --out "$R/nvidia-h200.json" ;;
-    calibrate_quick) stage calibrate_quick "$limit" python3 -m dispatch.calibrate --quick --out "$R/nvidia-h200.json" ;;
-    table) stage table "$limit" python3 -m dispatch.table --gpu "$R/nvidia-h200.json" ;;
+    calibrate) stage calibrate "$limit" python3 -m dispatch.calibrate --budget $((limit - 30)) --out "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json" ;;
+    calibrate_resume) cp "${RESUME_FROM:?}" "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json"; stage calibrate_resume "$limit" python3 -m dispatch.calibrate --resume --budget $((limit - 30)) --out "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json" ;;
+    calibrate_quick) stage calibrate_quick "$limit" python3 -m dispatch.calibrate --quick --out "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json" ;;
+    table) stage table "$limit" python3 -m dispatch.table --gpu "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json" ;;
     *) echo "unknown stage $name" ;;
   esac
 done
