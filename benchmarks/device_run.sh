@@ -30,6 +30,7 @@ for arg in "$@"; do
     tests_graph) stage tests_graph "$limit" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_nn.py::test_cuda_graph_replays_draw_new_masks tests/test_rng.py ;;
     probe_decode) stage probe_decode "$limit" python3 benchmarks/probes/probe_decode_dropout.py ;;
     probe_hot) stage probe_hot "$limit" python3 benchmarks/probes/probe_hot_path.py ;;
+    probe_generator) stage probe_generator "$limit" python3 benchmarks/probes/probe_generator_calls.py ;;
     probe_sync) stage probe_sync "$limit" python3 benchmarks/probes/probe_rng_sync.py ;;
     probe_host) stage probe_host "$limit" python3 benchmarks/probes/probe_host_overhead.py ;;
     env) stage env "$limit" bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m dispatch.info' ;;

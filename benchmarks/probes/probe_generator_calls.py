@@ -1,0 +1,61 @@
+"""Host cost of the CUDA generator calls behind the dropout draw (dispatch.rng.draw_for), with the
+stream idle and with work queued (issue 3's decode rows: the public op with dropout measured 24 us
+against 4.4 us without, by do_bench, whose L2 flush keeps kernels queued while the host works).
+
+Hypothesis: get_offset() and set_offset() each ask CUDA whether the stream is capturing
+(cudaStreamIsCapturing), and that query is slow while kernels are queued (14 us seen once, session 2).
+
+    PYTHONPATH=. python3 benchmarks/probes/probe_generator_calls.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from tabulate import tabulate
+
+from dispatch import rng as dropout_rng
+
+
+def per_call_us(fn, calls: int = 200, queued: bool = False) -> float:
+    """Median over 5 loops of the host time per call; with ``queued``, a 256 MB memset is put on the
+    stream before each call (what do_bench does, and what a model's previous kernels do)."""
+    flush = torch.empty(2**26, dtype=torch.int32, device="cuda")
+    loops = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        total = 0.0
+        for _ in range(calls):
+            if queued:
+                flush.zero_()
+            start = time.perf_counter()
+            fn()
+            total += time.perf_counter() - start
+        loops.append(total / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(loops)
+
+
+def main() -> None:
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    offset = gen.get_offset()
+    calls = {
+        "gen.initial_seed()": gen.initial_seed,
+        "gen.get_offset()": gen.get_offset,
+        "gen.set_offset(same)": lambda: gen.set_offset(offset),
+        "torch.cuda.is_current_stream_capturing()": torch.cuda.is_current_stream_capturing,
+        "dispatch.rng.draw_for(x)": lambda: dropout_rng.draw_for(x),
+        "dispatch.rng.draw(device) (randint kernel)": lambda: dropout_rng.draw(x.device),
+        "x.add_(0) (one kernel launch)": lambda: x.add_(0),
+    }
+    rows = [
+        [name, f"{per_call_us(fn):.2f}", f"{per_call_us(fn, queued=True):.2f}"] for name, fn in calls.items()
+    ]
+    print(tabulate(rows, headers=["call", "idle us", "work queued us"]))
+
+
+if __name__ == "__main__":
+    main()
