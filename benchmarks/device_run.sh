@@ -68,8 +68,8 @@ for arg in "$@"; do
     bench_e2e) stage bench_e2e "$limit" python3 benchmarks/bench_e2e.py --out "$R" ;;
     bench_e2e_quick) stage bench_e2e_quick "$limit" python3 benchmarks/bench_e2e.py --quick --out "$R" ;;
     parity) stage parity "$limit" python3 -m dispatch.parity --quick ;;
-    calibrate) stage calibrate "$limit" python3 -m dispatch.calibrate --budget $((limit - 30)) --out "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json" ;;
-    calibrate_resume) cp "${RESUME_FROM:?}" "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json"; stage calibrate_resume "$limit" python3 -m dispatch.calibrate --resume --budget $((limit - 30)) --out "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json" ;;
+    calibrate) stage calibrate "$limit" python3 -m dispatch.calibrate --budget $((limit - 60)) --out "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json" ;;
+    calibrate_resume) cp "${RESUME_FROM:?}" "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json"; stage calibrate_resume "$limit" python3 -m dispatch.calibrate --resume --budget $((limit - 60)) --out "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json" ;;
     calibrate_quick) stage calibrate_quick "$limit" python3 -m dispatch.calibrate --quick --out "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json" ;;
     table) stage table "$limit" python3 -m dispatch.table --gpu "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json" ;;
     *) echo "unknown stage $name" ;;
