@@ -33,7 +33,7 @@ import common  # noqa: E402
 from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear  # noqa: E402
 from dispatch import rng as dropout_rng  # noqa: E402
 from dispatch.api import _BiasActDropout, _FusedLinear  # noqa: E402
-from dispatch.registry import Backend, backends, register  # noqa: E402
+from dispatch.registry import Backend, backends, fused_linear_infer, register  # noqa: E402
 from dispatch.select import ENV_VAR, clear_cache  # noqa: E402
 
 TARGET_US = 3.0
@@ -69,11 +69,6 @@ def _summary(samples: list[tuple[float, float]]) -> tuple[float, float, float, f
     api_us, direct_us = [a for a, _ in samples], [d for _, d in samples]
     medians = statistics.median(api_us), statistics.median(direct_us)
     return (*medians, statistics.median(a - d for a, d in samples), min(api_us) - min(direct_us))
-
-
-def _infer(impl) -> Callable:
-    """What the public op calls for fused_linear without autograd (dispatch.api)."""
-    return getattr(impl, "infer", None) or (lambda *args: impl.forward(*args)[0])
 
 
 class _Preallocated:
@@ -163,7 +158,6 @@ def _chosen_cases(device: torch.device) -> list[Case]:
     name, bad = chosen("fused_bias_act_dropout", x, bias, "gelu")
     name_train, bad_train = chosen("fused_bias_act_dropout", x_grad, bias, "gelu", 0.1)
     name_lin, lin = chosen("fused_linear", xk, w, bias, "gelu")
-    lin_infer = _infer(lin)
     name_lin_train, lin_train = chosen("fused_linear", xk_grad, w_grad, bias, "gelu")
 
     def dropout_direct():
@@ -189,7 +183,7 @@ def _chosen_cases(device: torch.device) -> list[Case]:
             "fused_linear",
             "inference 2-D",
             lambda: fused_linear(xk, w, bias, "gelu"),
-            lambda: lin_infer(xk, w, bias, "gelu"),
+            lambda: fused_linear_infer(lin, xk, w, bias, "gelu"),
         ),
         (
             name_lin_train,

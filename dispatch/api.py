@@ -11,7 +11,7 @@ from torch import Tensor
 from dispatch import rng as dropout_rng
 from dispatch.activations import ACTIVATIONS
 from dispatch.checks import FLOAT_DTYPES, bias_act_dropout_args, check_backend, fused_linear_args
-from dispatch.registry import Call
+from dispatch.registry import Call, fused_linear_infer
 from dispatch.select import (
     ENV_VAR,
     Decision,
@@ -25,7 +25,6 @@ from dispatch.select import (
 
 _is_compiling = torch.compiler.is_compiling  # bound once: the attribute chain costs ~0.1 us per call
 _is_grad_enabled = torch.is_grad_enabled
-_cached_impl = cached_impl
 _requested_get = _requested.get
 
 
@@ -114,7 +113,7 @@ def _fused_linear_impl(key: tuple, x: Tensor) -> object:
 def _run_bias_act_dropout(x, x2d, bias, activation, p, rng, grad, key) -> Tensor:
     """The cached decision -> the backend; the result in x's shape. ``key``: the full call signature
     (dispatch.select.request_key)."""
-    impl = _cached_impl(key)
+    impl = cached_impl(key)
     if impl is None:
         impl = _bias_act_dropout_impl(key, x)
     if grad:
@@ -126,14 +125,13 @@ def _run_bias_act_dropout(x, x2d, bias, activation, p, rng, grad, key) -> Tensor
 
 def _run_fused_linear(x, x2d, shape, weight, bias, activation, grad, key) -> Tensor:
     """The cached decision -> the backend; the result shaped (..., N)."""
-    impl = _cached_impl(key)
+    impl = cached_impl(key)
     if impl is None:
         impl = _fused_linear_impl(key, x)
     if grad:
         y = _FusedLinear.apply(x2d, weight, bias, impl, activation)
     else:
-        infer = getattr(impl, "infer", None)  # optional (see dispatch.registry.FusedLinearImpl)
-        y = impl.forward(x2d, weight, bias, activation)[0] if infer is None else infer(x2d, weight, bias, activation)
+        y = fused_linear_infer(impl, x2d, weight, bias, activation)
     if x2d is x:
         return y
     n = key[4]
@@ -205,14 +203,7 @@ def fused_bias_act_dropout(
         # The full call signature, flat (one hash): dispatch.select.request_key inlined
         key = ("bias_act_dropout", device, dtype, m, n, activation, dropout, grad, backend,
                None if backend is not None else _requested_get())
-        impl = _cached_impl(key)
-        if impl is None:
-            impl = _bias_act_dropout_impl(key, x)
-        if grad:
-            y = _BiasActDropout.apply(x2d, bias, impl, activation, p, rng)
-        else:
-            y = impl.forward(x2d, bias, activation, p, rng)
-        return y if x2d is x else y.view_as(x)
+        return _run_bias_act_dropout(x, x2d, bias, activation, p, rng, grad, key)
 
     x, bias, activation, p, dropout = bias_act_dropout_args(x, bias, activation, p, training, generator)
     check_backend(backend)

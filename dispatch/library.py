@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from dispatch.registry import Call
+from dispatch.registry import Call, fused_linear_infer
 from dispatch.select import request_key, select
 
 _EMPTY = (0,)
@@ -117,9 +117,7 @@ def _fused_linear_op(
     shape = (x.shape[0], weight.shape[0], x.shape[1])
     impl = _impl("fused_linear", x, shape, activation, False, training, backend)
     if not training:  # no autograd: nothing to keep (the fake promises an empty saved tensor)
-        infer = getattr(impl, "infer", None)  # optional (see dispatch.registry.FusedLinearImpl)
-        y = impl.forward(x, weight, bias, activation)[0] if infer is None else infer(x, weight, bias, activation)
-        return y, x.new_empty(_EMPTY)
+        return fused_linear_infer(impl, x, weight, bias, activation), x.new_empty(_EMPTY)
     y, saved = impl.forward(x, weight, bias, activation)
     if saved is None and activation != "identity":  # cublaslt recomputes it in backward; the fake promises (M, N)
         saved = torch.nn.functional.linear(x, weight, bias)

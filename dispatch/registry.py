@@ -65,6 +65,17 @@ class FusedLinearImpl(Protocol):
     ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]: ...
 
 
+def fused_linear_infer(
+    impl: FusedLinearImpl, x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str
+) -> Tensor:
+    """The output of a fused_linear call without autograd: ``impl.infer`` where the backend has one,
+    else forward's y."""
+    infer = getattr(impl, "infer", None)
+    if infer is None:
+        return impl.forward(x, weight, bias, activation)[0]
+    return infer(x, weight, bias, activation)
+
+
 @dataclass(frozen=True)
 class Call:
     """What the dispatcher knows of one call: the key of its decision."""
