@@ -149,7 +149,8 @@ class Run:
         before = {n: c["time"] for n, c in self.cost.items()}
         grid = self.plan.grid(s.op, features)
         # the middle and the largest M first, then the rest evenly: see contenders()
-        pending = [m for m in dict.fromkeys([*spread(grid)[:1], grid[-1], *spread(grid)])]
+        even = spread(grid)
+        pending = list(dict.fromkeys([even[0], grid[-1], *even]))
         while pending and not self.over():
             for m in pending:
                 if self.over():
