@@ -504,6 +504,33 @@ def test_stream_timing_counts_host_time_and_clears_grads():
     assert len(seen) == 3 + 200
 
 
+def test_time_all_reports_per_call_times_of_chained_timers(monkeypatch):
+    """A Timer that runs several calls is reported per call, and a slow first round is judged per call."""
+    monkeypatch.setattr(calibrate_bench, "time_ms", lambda fn, *a, **k: fn())
+    timers = {
+        "chained": calibrate_bench.Timer(lambda: 4 * calibrate_bench.SLOW_MS * 0.9, [], 4),
+        "single": (lambda: 0.3, []),
+    }
+    out, _ = calibrate_bench.time_all(timers, torch.device("cpu"), False, True)
+    assert out["chained"] == pytest.approx(calibrate_bench.SLOW_MS * 0.9) and out["single"] == 0.3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["bias_act_dropout", "fused_linear"])
+def test_training_timer_chains_calls_into_one_backward(op):
+    """On CUDA a training timer runs TRAIN_CHAIN forwards and one backward: each leaf's grad is then
+    TRAIN_CHAIN times one call's (same inputs, no dropout), so the timed work is TRAIN_CHAIN full calls."""
+    features = (96,) if op == "bias_act_dropout" else (96, 80)
+    case = calibrate_bench.Case(op, torch.float32, "gelu", True, False, 50, features, torch.device("cuda"))
+    inp = calibrate_bench.make_inputs(case, seed=int(torch.randint(0, 2**30, ()).item()))
+    single = calibrate_bench.run_once("eager", case, inp)[1:]
+    fn, leaves, calls = calibrate_bench.timer("eager", case, inp)
+    assert calls == calibrate_bench.TRAIN_CHAIN
+    fn()
+    for leaf, grad in zip(leaves, single):
+        torch.testing.assert_close(leaf.grad, grad * calls, rtol=1e-5, atol=1e-5)
+
+
 def test_slow_calls_get_one_timing_round(monkeypatch):
     """time_all: a backend whose first round took SLOW_MS or more is not timed again; the others get
     every round; the first round warms each backend up (warm=True), later rounds do not."""

@@ -39,6 +39,7 @@ def per_call_us(fn, calls: int = 200, queued: bool = False) -> float:
 
 
 def main() -> None:
+    torch.cuda.init()  # default_generators is empty until CUDA is initialized
     gen = torch.cuda.default_generators[torch.cuda.current_device()]
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     offset = gen.get_offset()
