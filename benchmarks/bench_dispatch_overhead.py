@@ -112,6 +112,8 @@ def _null_cases(device: torch.device) -> list[Case]:
     x3 = x.view(2, M // 2, N)
     xk, w = torch.randn(M, K, device=device), torch.randn(N, K, device=device)
     xk3 = xk.view(2, M // 2, K)
+    # the training path: autograd glue on both sides, and the dropout draw on both sides
+    x_grad, xk_grad, w_grad = x.clone().requires_grad_(), xk.clone().requires_grad_(), w.clone().requires_grad_()
     return [
         (
             null_name,
@@ -140,6 +142,20 @@ def _null_cases(device: torch.device) -> list[Case]:
             "inference 3-D",
             lambda: fused_linear(xk3, w, bias, "gelu"),
             lambda: lin.forward(xk3.reshape(M, K), w, bias, "gelu")[0].view(2, M // 2, N),
+        ),
+        (
+            null_name,
+            "bias_act_dropout",
+            "training, p=0.1",
+            lambda: fused_bias_act_dropout(x_grad, bias, "gelu", 0.1),
+            lambda: _BiasActDropout.apply(x_grad, bias, bad, "gelu", 0.1, dropout_rng.draw_for(x_grad)),
+        ),
+        (
+            null_name,
+            "fused_linear",
+            "training",
+            lambda: fused_linear(xk_grad, w_grad, bias, "gelu"),
+            lambda: _FusedLinear.apply(xk_grad, w_grad, bias, lin, "gelu"),
         ),
     ]
 
