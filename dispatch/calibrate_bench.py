@@ -260,8 +260,9 @@ def time_all(
             fn, leaves, calls = Timer(*timers[name])
             start = time.monotonic()
             try:
-                ms = time_ms(fn, leaves, device, quick, training, 1.0 / ROUNDS, warm=r == 0)
-                per[name].append(ms / calls)
+                per[name].append(
+                    time_ms(fn, leaves, device, quick, training, 1.0 / ROUNDS, warm=r == 0, calls=calls)
+                )
             except Exception as exc:
                 out[name] = exc
             spent[name] += time.monotonic() - start
@@ -279,9 +280,11 @@ def time_ms(
     training: bool,
     share: float = 1.0,
     warm: bool = True,
+    calls: int = 1,
 ) -> float:
-    """Milliseconds per call of ``fn`` over ``share`` of the usual time, after one untimed call if
-    ``warm`` (with parity checks deferred to worker processes, the first call here may compile).
+    """Milliseconds per op call of ``fn`` (which makes ``calls`` of them) over ``share`` of the usual
+    time, after one untimed run if ``warm`` (with parity checks deferred to worker processes, the
+    first call here may compile).
 
     On CUDA: the time per call in a stream of back-to-back calls (``stream_ms``), which is what a
     model sees whenever the host is the slower side; for calls shorter than ``LONG_MS``, the larger of
@@ -300,7 +303,7 @@ def time_ms(
             import triton.testing
 
             warmup, rep, stream = (3, 7, 3) if quick else (5, 10, 5)
-            wall = stream_ms(fn, grad_to_none, stream * share, device)
+            wall = stream_ms(fn, grad_to_none, stream * share, device, calls)
             if wall >= LONG_MS:
                 return wall
             gpu = float(
@@ -312,7 +315,7 @@ def time_ms(
                     return_mode="median",
                 )
             )
-            return max(gpu, wall)
+            return max(gpu / calls, wall)
         times: list[float] = []
         budget = (0.1 if quick else 0.3) * share
         while len(times) < 3 or (len(times) < 50 and sum(times) < budget * 1e3):
@@ -320,20 +323,25 @@ def time_ms(
                 t.grad = None
             start = time.perf_counter()
             fn()
-            times.append((time.perf_counter() - start) * 1e3)
+            times.append((time.perf_counter() - start) * 1e3 / calls)
         return sorted(times)[len(times) // 2]
 
 
-def stream_ms(fn: Callable[[], object], grad_to_none: list[Tensor], budget_ms: float, device) -> float:
-    """Wall milliseconds per call of ``fn`` called back to back with one synchronization at the end:
-    the larger of the host's time per call and the device's (the latter with a warm L2 for small
-    inputs, which is why ``time_ms`` also asks do_bench). Three calls first; a call of ``LONG_MS`` or
-    more returns that, a shorter one is timed again over as many calls as fill ``budget_ms`` by the
-    first estimate (3 to 200), so the launch and synchronization latency fades."""
-    first = _back_to_back(fn, grad_to_none, 3, device)
+def stream_ms(
+    fn: Callable[[], object], grad_to_none: list[Tensor], budget_ms: float, device, calls: int = 1
+) -> float:
+    """Wall milliseconds per op call of ``fn`` (``calls`` op calls per run) run back to back with one
+    synchronization at the end: the larger of the host's time per call and the device's (the latter
+    with a warm L2 for small inputs, which is why ``time_ms`` also asks do_bench). About three op
+    calls first (at least one run); a call of ``LONG_MS`` or more returns that (a chained run then
+    costs about what three single calls did), a shorter one is timed again over as many runs as fill
+    ``budget_ms`` by the first estimate (3 to 200), so the launch and synchronization latency fades."""
+    runs = max(1, 3 // calls)
+    first = _back_to_back(fn, grad_to_none, runs, device) / calls
     if first >= LONG_MS:
         return first
-    return _back_to_back(fn, grad_to_none, min(200, max(3, int(budget_ms / max(first, 1e-3)))), device)
+    runs = min(200, max(3, int(budget_ms / max(first * calls, 1e-3))))
+    return _back_to_back(fn, grad_to_none, runs, device) / calls
 
 
 def _back_to_back(fn: Callable[[], object], grad_to_none: list[Tensor], calls: int, device) -> float:

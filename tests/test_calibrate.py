@@ -1,6 +1,7 @@
 """Calibration: the winner rule, bisection to the crossover, a tiny real run on CPU, the table CLI."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def fake_backends(monkeypatch):
     def timer(name, case, inp):
         return (name, case), []
 
-    def time_ms(fn, leaves, device, quick, training, share=1.0, warm=True):
+    def time_ms(fn, leaves, device, quick, training, share=1.0, warm=True, calls=1):
         name, case = fn
         return cost[name](case.m) * extra.get(case.activation, 1.0)
 
@@ -422,7 +423,7 @@ def test_timing_rounds_interleave_the_backends(monkeypatch):
     calls = []
     values = {"a": [3.0, 1.0, 2.0], "b": [4.0, 4.0, 4.5], "c": []}
 
-    def time_ms(fn, leaves, device, quick, training, share=1.0, warm=True):
+    def time_ms(fn, leaves, device, quick, training, share=1.0, warm=True, **kw):
         calls.append(fn)
         assert share == pytest.approx(1 / calibrate_bench.ROUNDS)
         if fn == "c":
@@ -504,15 +505,29 @@ def test_stream_timing_counts_host_time_and_clears_grads():
     assert len(seen) == 3 + 200
 
 
-def test_time_all_reports_per_call_times_of_chained_timers(monkeypatch):
-    """A Timer that runs several calls is reported per call, and a slow first round is judged per call."""
-    monkeypatch.setattr(calibrate_bench, "time_ms", lambda fn, *a, **k: fn())
-    timers = {
-        "chained": calibrate_bench.Timer(lambda: 4 * calibrate_bench.SLOW_MS * 0.9, [], 4),
-        "single": (lambda: 0.3, []),
-    }
-    out, _ = calibrate_bench.time_all(timers, torch.device("cpu"), False, True)
-    assert out["chained"] == pytest.approx(calibrate_bench.SLOW_MS * 0.9) and out["single"] == 0.3
+def test_time_all_passes_each_timers_call_count(monkeypatch):
+    """time_all hands time_ms a Timer's op calls per run (a plain (fn, leaves) pair makes one), so
+    every time it reports is per op call."""
+    seen = {}
+
+    def time_ms(fn, leaves, device, quick, training, share=1.0, warm=True, calls=1):
+        seen.setdefault(fn(), set()).add(calls)
+        return 1.0
+
+    monkeypatch.setattr(calibrate_bench, "time_ms", time_ms)
+    timers = {"chained": calibrate_bench.Timer(lambda: "chained", [], 4), "single": (lambda: "single", [])}
+    calibrate_bench.time_all(timers, torch.device("cpu"), False, True)
+    assert seen == {"chained": {4}, "single": {1}}
+
+
+def test_time_ms_is_per_op_call_on_cpu():
+    """time_ms divides by the op calls a run makes: a run of 4 sleeps of 2 ms is ~2 ms per call."""
+    def run():
+        for _ in range(4):
+            time.sleep(0.002)
+
+    ms = calibrate_bench.time_ms(run, [], torch.device("cpu"), True, True, calls=4)
+    assert 1.9 <= ms < 4.0
 
 
 @pytest.mark.gpu
@@ -536,7 +551,7 @@ def test_slow_calls_get_one_timing_round(monkeypatch):
     every round; the first round warms each backend up (warm=True), later rounds do not."""
     calls = []
 
-    def fake_time_ms(fn, leaves, device, quick, training, share=1.0, warm=True):
+    def fake_time_ms(fn, leaves, device, quick, training, share=1.0, warm=True, **kw):
         calls.append((fn(), warm))
         return {"slow": calibrate_bench.SLOW_MS * 2, "fast": 0.1}[fn()]
 
