@@ -181,23 +181,29 @@ def rank(ms: dict[str, float]) -> list[str]:
 
 
 PRUNE = 0.3  # a backend this much slower than the fastest at two or more points of a series is dropped
+HOPELESS = 2.0  # a backend more than this times the fastest at a series' first point is dropped at once
 
 
-def contenders(names: list[str], points: dict[int, dict], prune: float = PRUNE) -> list[str]:
+def contenders(
+    names: list[str], points: dict[int, dict], prune: float = PRUNE, hopeless: float = HOPELESS
+) -> list[str]:
     """``names`` less the backends a series has already seen lose clearly: timed at two or more of its
-    points and slower than that point's fastest by more than ``prune`` at every one. eager stays (the
-    speedups are over it). The series' later points (the rest of the grid, the bisection) then time
-    only the contenders; held-out points time everyone, so the self-check sees what pruning missed.
-    Series measure their grid's middle, then its largest M, then the rest, so the first two
-    points are far apart in M: a backend that wins only at large M is not dropped for its host
-    overhead at small M.
+    points and slower than that point's fastest by more than ``prune`` at every one, or timed at one
+    point only and slower there than ``hopeless`` times the fastest. eager stays (the speedups are
+    over it). The series' later points (the rest of the grid, the bisection) then time only the
+    contenders; held-out points time everyone, so the self-check sees what pruning missed.
+    Series measure their grid's largest M first, then its middle, then the rest: the first point is
+    where host overhead weighs least, so a backend that loses there by 2x does not win at smaller M
+    (host overhead only grows in weight), and the first two points are far apart in M.
     On the H200 this drops, e.g., the traced-Philox dropout of nvfuser and inductor (7-200x triton's
-    time) after the first two points instead of timing them at every point."""
+    time) after the first point; nvfuser recompiles at every new M in the measuring process (its
+    TorchScript caches cannot be filled ahead by the workers), 1-3 s a point in session 5."""
     keep = []
     for name in names:
         seen = [p["ms"] for p in points.values() if name in p["ms"]]
         beaten = len(seen) >= 2 and all(ms[name] > (1 + prune) * min(ms.values()) for ms in seen)
-        if name == "eager" or not beaten:
+        lost = len(seen) == 1 and seen[0][name] > hopeless * min(seen[0].values())
+        if name == "eager" or not (beaten or lost):
             keep.append(name)
     return keep
 

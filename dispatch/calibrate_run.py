@@ -148,9 +148,9 @@ class Run:
         start = time.monotonic()
         before = {n: c["time"] for n, c in self.cost.items()}
         grid = self.plan.grid(s.op, features)
-        # the middle and the largest M first, then the rest evenly: see contenders()
+        # the largest M first, then the middle, then the rest evenly: see contenders()
         even = spread(grid)
-        pending = list(dict.fromkeys([even[0], grid[-1], *even]))
+        pending = list(dict.fromkeys([grid[-1], even[0], *even]))
         while pending and not self.over():
             for m in pending:
                 if self.over():
