@@ -2,8 +2,10 @@
 stream idle and with work queued (issue 3's decode rows: the public op with dropout measured 24 us
 against 4.4 us without, by do_bench, whose L2 flush keeps kernels queued while the host works).
 
-Hypothesis: get_offset() and set_offset() each ask CUDA whether the stream is capturing
+Hypothesis of session 4: get_offset() and set_offset() each ask CUDA whether the stream is capturing
 (cudaStreamIsCapturing), and that query is slow while kernels are queued (14 us seen once, session 2).
+Refuted in session 5 (the whole draw: 3.4 us idle, 4.1 us queued); the rows after the draw's time the
+triton forward and the public op with and without dropout, to find where the rest goes.
 
     PYTHONPATH=. python3 benchmarks/probes/probe_generator_calls.py
 """
@@ -16,6 +18,8 @@ import time
 import torch
 from tabulate import tabulate
 
+from backends.triton import bias_act_dropout as triton_bad
+from dispatch import fused_bias_act_dropout
 from dispatch import rng as dropout_rng
 
 
@@ -42,6 +46,8 @@ def main() -> None:
     torch.cuda.init()  # default_generators is empty until CUDA is initialized
     gen = torch.cuda.default_generators[torch.cuda.current_device()]
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    rng = dropout_rng.draw_for(x)
     offset = gen.get_offset()
     calls = {
         "gen.initial_seed()": gen.initial_seed,
@@ -51,6 +57,11 @@ def main() -> None:
         "dispatch.rng.draw_for(x)": lambda: dropout_rng.draw_for(x),
         "dispatch.rng.draw(device) (randint kernel)": lambda: dropout_rng.draw(x.device),
         "x.add_(0) (one kernel launch)": lambda: x.add_(0),
+        # session 5 found the draw at ~4 us: the rest of the decode row's 20 us is after it
+        "triton forward, no dropout": lambda: triton_bad.forward(x, bias, "gelu", 0.0, None),
+        "triton forward, dropout (rng drawn once)": lambda: triton_bad.forward(x, bias, "gelu", 0.1, rng),
+        "public op, no dropout": lambda: fused_bias_act_dropout(x, bias, "gelu", 0.0, backend="triton"),
+        "public op, dropout 0.1": lambda: fused_bias_act_dropout(x, bias, "gelu", 0.1, backend="triton"),
     }
     rows = [
         [name, f"{per_call_us(fn):.2f}", f"{per_call_us(fn, queued=True):.2f}"] for name, fn in calls.items()
