@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+import triton.testing
 from tabulate import tabulate
 
 from backends.triton import bias_act_dropout as triton_bad
@@ -63,10 +64,32 @@ def main() -> None:
         "public op, no dropout": lambda: fused_bias_act_dropout(x, bias, "gelu", 0.0, backend="triton"),
         "public op, dropout 0.1": lambda: fused_bias_act_dropout(x, bias, "gelu", 0.1, backend="triton"),
     }
+    launches = {name for name in calls if name.startswith(("triton", "public", "x.add_"))}
     rows = [
-        [name, f"{per_call_us(fn):.2f}", f"{per_call_us(fn, queued=True):.2f}"] for name, fn in calls.items()
+        [
+            name,
+            f"{per_call_us(fn):.2f}",
+            f"{per_call_us(fn, queued=True):.2f}",
+            # the issue's decode numbers are do_bench medians: device time, plus whatever host time
+            # the L2 flush before each call does not cover
+            f"{triton.testing.do_bench(fn, return_mode='median') * 1e3:.2f}" if name in launches else "",
+            f"{kernel_us(fn):.2f}" if name in launches else "",
+        ]
+        for name, fn in calls.items()
     ]
-    print(tabulate(rows, headers=["call", "idle us", "work queued us"]))
+    print(tabulate(rows, headers=["call", "idle us", "work queued us", "do_bench us", "kernels us"]))
+
+
+def kernel_us(fn, calls: int = 50) -> float:
+    """GPU time of the kernels one call launches (profiler, summed over the call's kernels)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in kernels) / calls
 
 
 if __name__ == "__main__":
