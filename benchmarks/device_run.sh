@@ -67,6 +67,9 @@ for arg in "$@"; do
     e2e_profile) stage e2e_profile "$limit" python3 benchmarks/probes/probe_e2e_profile.py ;;
     e2e_profile_compile) stage e2e_profile_compile "$limit" python3 benchmarks/probes/probe_e2e_profile.py --configs compile,compile+patched ;;
     bench_e2e) stage bench_e2e "$limit" python3 benchmarks/bench_e2e.py --out "$R" ;;
+    # every fused op forced onto triton: under compile the ops are then opaque triton kernels, not the
+    # plain math that inductor fuses (issue 7: does a triton c_fc beat inductor's own under compile?)
+    bench_e2e_triton) mkdir -p "$R/e2e_triton"; stage bench_e2e_triton "$limit" python3 benchmarks/bench_e2e.py --backend triton --configs "${E2E_CONFIGS:-compile,compile+patched}" --out "$R/e2e_triton" ;;
     bench_e2e_quick) stage bench_e2e_quick "$limit" python3 benchmarks/bench_e2e.py --quick --out "$R" ;;
     parity) stage parity "$limit" python3 -m dispatch.parity --quick ;;
     calibrate) stage calibrate "$limit" python3 -m dispatch.calibrate --budget $((limit - 60)) --out "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json" ;;
