@@ -195,8 +195,9 @@ class Timer(NamedTuple):
 # Training on CUDA is timed as TRAIN_CHAIN forwards and one backward over all their outputs. A model
 # calls backward once per step for all its ops, so the autograd engine's fixed cost per backward()
 # call (measured in session 5 as most of an isolated fwd+bwd at GPT-2's c_fc shape: ~0.5 ms at M = 1)
-# belongs to no single op; timed one call per backward it swamped the differences between backends
-# and the table sent c_fc to a backend that lost 16% end to end (issue 7).
+# belongs to no single op; timed one call per backward it swamped the differences between backends,
+# and the table sent c_fc to cublaslt: GPT-2 patched then trained at 0.86x eager's speed, 1.21x once
+# the chained timings sent it to triton (issue 7).
 TRAIN_CHAIN = 4
 
 
@@ -242,9 +243,10 @@ def time_all(
     quick: bool,
     training: bool,
 ) -> tuple[dict[str, object], dict[str, float]]:
-    """Each backend's median milliseconds over ``ROUNDS`` interleaved rounds (A B C, B C A, C A B), each
-    round a third of ``time_ms``'s time: a slow phase of the host or the GPU (the H200 host swings by
-    2x for seconds) then hits every backend alike instead of the one being timed. A backend whose
+    """Each backend's median milliseconds per op call over ``ROUNDS`` interleaved rounds (A B C,
+    B C A, C A B), each round a third of ``time_ms``'s time: a slow phase of the host or the GPU (the
+    H200 host swings by 2x for seconds) then hits every backend alike instead of the one being timed.
+    A backend whose
     first round took ``SLOW_MS`` or more is not timed again (the reference's dropout takes up to 95 ms
     a call at 65536x4096). A backend whose timing raised gets its exception instead of a number. Also
     returns the seconds spent on each."""
