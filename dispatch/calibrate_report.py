@@ -54,7 +54,12 @@ def format_costs(settings: dict) -> str:
     parts = []
     w = settings.get("warm_up")
     if w:
-        parts.append(f"compiling ahead {w['seconds']:.0f} s ({w['calls']} calls in {w['workers']} processes)")
+        by = ", ".join(f"{n} {t:.0f}" for n, t in w.get("worker_seconds", {}).items())
+        parts.append(
+            f"compiling ahead {w['seconds']:.0f} s ({w['calls']} calls in {w['workers']} processes"
+            + (f"; worker seconds {by}" if by else "")
+            + ")"
+        )
     c = settings.get("parallel_checks")
     if c:
         parts.append(

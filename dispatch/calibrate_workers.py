@@ -152,10 +152,16 @@ def warm(todo: list[list], workers: int, deadline_s: float, device: torch.device
     start = time.monotonic()
     chunks = _chunks(todo, max(1, workers), lambda c: (c[0], c[1], c[2], c[3], c[4], c[5], tuple(c[7])))
     lines, killed, errors = _spawn("warm", chunks, device, deadline_s, bar)
+    by_backend: dict[str, float] = defaultdict(float)  # worker seconds: where the compiling goes
+    for line in lines:
+        if line.startswith("warmed "):
+            _, name, seconds = line.split()
+            by_backend[name] += float(seconds)
     return {
         "calls": len(todo),
         "workers": len(chunks),
         "seconds": round(time.monotonic() - start, 1),
+        "worker_seconds": {n: round(t, 1) for n, t in sorted(by_backend.items())},
         "failed_calls": sum(line.startswith("failed") for line in lines),
         "workers_stopped_at_deadline": killed,
         "worker_errors": errors,
@@ -224,7 +230,8 @@ def _oom(result: list) -> bool:
 
 def _worker(path: str) -> None:
     """Reads {"kind", "device", "jobs"} from the JSON file ``path`` and writes its lines to
-    ``path + ".out"``. ``warm``: runs each call once (forward, or forward + backward). ``check``: one
+    ``path + ".out"``. ``warm``: runs each call once (forward, or forward + backward) and writes its
+backend and seconds. ``check``: one
     JSON line of gate results per job, a backend that ran out of memory left out."""
     with open(path) as f:
         job = json.load(f)
@@ -233,8 +240,10 @@ def _worker(path: str) -> None:
         for j in job["jobs"]:
             try:
                 if job["kind"] == "warm":
+                    start = time.monotonic()
                     case = case_of(j[1:], device)
                     bench.run_once(j[0], case, bench.make_inputs(case, 0))
+                    out.write(f"warmed {j[0]} {time.monotonic() - start:.3f}\n")
                 else:
                     case = case_of(j[1:8], device)
                     inp, refs, eager = inputs(case)

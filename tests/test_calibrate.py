@@ -296,6 +296,8 @@ def test_warm_up_groups_calls_by_kind_and_fills_the_compile_cache(tmp_path, monk
     assert summary["calls"] == 1 and summary["workers"] == 1, summary
     assert summary["failed_calls"] == 0 and summary["workers_stopped_at_deadline"] == 0, summary
     assert any(p.is_file() for p in (tmp_path / "inductor").rglob("*"))
+    # the worker's seconds by backend: an inductor compile takes a measurable time
+    assert set(summary["worker_seconds"]) == {"inductor"} and summary["worker_seconds"]["inductor"] > 0
 
 
 def test_parity_checks_in_worker_processes(user_dir):
