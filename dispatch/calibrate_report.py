@@ -62,15 +62,20 @@ def format_costs(settings: dict) -> str:
         )
     c = settings.get("parallel_checks")
     if c:
+        by = ", ".join(f"{n} {t:.0f}" for n, t in c.get("worker_seconds", {}).items())
         parts.append(
             f"parity checks {c['seconds']:.0f} s ({c['points']} points in {c['workers']} processes"
             + (f", {c['unfinished']} left to this process" if c["unfinished"] else "")
+            + (f"; worker seconds {by}" if by else "")
             + ")"
         )
     c = settings.get("parallel_member_checks")
     if c:
+        by = ", ".join(f"{n} {t:.0f}" for n, t in c.get("worker_seconds", {}).items())
         parts.append(
-            f"member checks {c['seconds']:.0f} s ({c['points']} segments in {c['workers']} processes)"
+            f"member checks {c['seconds']:.0f} s ({c['points']} segments in {c['workers']} processes"
+            + (f"; worker seconds {by}" if by else "")
+            + ")"
         )
     for name, c in settings.get("seconds_by_backend", {}).items():
         parts.append(f"{name} {c['check']:.0f} s checking + {c['time']:.0f} s timing")

@@ -192,6 +192,7 @@ def check(
     chunks = _chunks(jobs, max(1, workers), lambda j: (j[1], j[2], j[3], j[4], j[5], tuple(j[7])))
     lines, killed, errors = _spawn("check", chunks, device, deadline_s, bar)
     results = {}
+    by_backend: dict[str, float] = defaultdict(float)  # worker seconds, the float64 reference apart
     for line in lines:
         try:
             r = json.loads(line) if line.startswith("{") else None
@@ -199,10 +200,13 @@ def check(
             r = None
         if isinstance(r, dict) and "id" in r and "results" in r:
             results[r["id"]] = r["results"]
+            for name, t in r.get("seconds", {}).items():
+                by_backend[name] += t
     summary = {
         "points": len(jobs),
         "workers": len(chunks),
         "seconds": round(time.monotonic() - start, 1),
+        "worker_seconds": {n: round(t, 1) for n, t in sorted(by_backend.items())},
         "unfinished": len(jobs) - len(results),
         "workers_stopped_at_deadline": killed,
         "worker_errors": errors,
@@ -246,10 +250,17 @@ backend and seconds. ``check``: one
                     out.write(f"warmed {j[0]} {time.monotonic() - start:.3f}\n")
                 else:
                     case = case_of(j[1:8], device)
+                    start = time.monotonic()
                     inp, refs, eager = inputs(case)
-                    results = {n: gate(n, case, inp, refs, eager) for n in j[8]}
+                    seconds = {"reference": time.monotonic() - start}
+                    results = {}
+                    for n in j[8]:
+                        start = time.monotonic()
+                        results[n] = gate(n, case, inp, refs, eager)
+                        seconds[n] = time.monotonic() - start
                     results = {n: r for n, r in results.items() if not _oom(r)}
-                    out.write(json.dumps({"id": j[0], "results": results}) + "\n")
+                    seconds = {n: round(t, 3) for n, t in seconds.items()}
+                    out.write(json.dumps({"id": j[0], "results": results, "seconds": seconds}) + "\n")
             except Exception as exc:  # the measuring process decides (a missing result)
                 out.write(f"failed {j} {bench.failure(exc)}\n")
             out.flush()

@@ -312,6 +312,7 @@ def test_parity_checks_in_worker_processes(user_dir):
     checks = doc["settings"]["parallel_checks"]
     points = [p for e in doc["entries"] if e["activation"] == e["measured_as"] for p in e["points"] + e["held_out"]]
     assert checks["points"] == len(points) > 0 and checks["unfinished"] == 0, checks
+    assert {"reference", "eager", "nvfuser"} <= set(checks["worker_seconds"]), checks
     for p in points:
         assert "unchecked" not in p and p["ms"] and set(p["ms"]) == set(p["err"]), p
         # nvfuser may be dropped after the first point (contenders' HOPELESS), eager never
