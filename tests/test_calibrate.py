@@ -535,6 +535,36 @@ def test_time_ms_is_per_op_call_on_cpu():
     assert 1.9 <= ms < 4.0
 
 
+def test_time_ms_cuda_branch_is_per_op_call(monkeypatch):
+    """The CUDA branch's arithmetic with a stand-in device, clock and do_bench: a run of 4 op calls
+    is reported per op call, long calls skip do_bench, short ones take the larger of both."""
+    import types
+
+    import triton.testing
+
+    cuda = types.SimpleNamespace(type="cuda")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+    def run(ms_per_call):
+        def fn():
+            for _ in range(4):
+                time.sleep(ms_per_call / 1e3)
+
+        return fn
+
+    def no_do_bench(*a, **k):
+        raise AssertionError("do_bench is for calls shorter than LONG_MS")
+
+    monkeypatch.setattr(triton.testing, "do_bench", no_do_bench)
+    long_ms = calibrate_bench.LONG_MS * 2
+    got = calibrate_bench.time_ms(run(long_ms), [], cuda, True, True, warm=False, calls=4)
+    assert long_ms <= got < long_ms * 1.5
+    # short calls: do_bench's device time per run (4 calls) against the wall time per call
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **k: 40 * calibrate_bench.LONG_MS)
+    got = calibrate_bench.time_ms(run(0.01), [], cuda, True, True, warm=False, calls=4)
+    assert got == 10 * calibrate_bench.LONG_MS  # the device's 40 x LONG_MS a run over 4 calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["bias_act_dropout", "fused_linear"])
 def test_training_timer_chains_calls_into_one_backward(op):
