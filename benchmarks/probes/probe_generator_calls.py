@@ -49,6 +49,8 @@ def main() -> None:
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     rng = dropout_rng.draw_for(x)
+    xg, bg = x.clone().requires_grad_(), bias.clone().requires_grad_()
+    gy = torch.randn_like(x)
     offset = gen.get_offset()
     calls = {
         "gen.initial_seed()": gen.initial_seed,
@@ -63,8 +65,14 @@ def main() -> None:
         "triton forward, dropout (rng drawn once)": lambda: triton_bad.forward(x, bias, "gelu", 0.1, rng),
         "public op, no dropout": lambda: fused_bias_act_dropout(x, bias, "gelu", 0.0, backend="triton"),
         "public op, dropout 0.1": lambda: fused_bias_act_dropout(x, bias, "gelu", 0.1, backend="triton"),
+        # issue 3's decode forward+backward target (60 us, do_bench) against the autograd engine's own
+        # floor: torch.autograd.grad of one trivial op, measured the same way
+        "public op, dropout 0.1, fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(
+            fused_bias_act_dropout(xg, bg, "gelu", 0.1, backend="triton"), (xg, bg), gy
+        ),
+        "autograd.grad of x * 2 (the engine's floor)": lambda: torch.autograd.grad(xg * 2, (xg,), gy),
     }
-    launches = {name for name in calls if name.startswith(("triton", "public", "x.add_"))}
+    launches = {name for name in calls if name.startswith(("triton", "public", "x.add_", "autograd"))}
     rows = [
         [
             name,
