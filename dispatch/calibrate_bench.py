@@ -259,7 +259,7 @@ def time_all(
         for name in names[shift:] + names[:shift]:
             if name in out or (per[name] and per[name][0] >= SLOW_MS):
                 continue
-            fn, leaves, calls = Timer(*timers[name])
+            fn, leaves, calls = timers[name]
             start = time.monotonic()
             try:
                 per[name].append(

@@ -49,33 +49,34 @@ def self_check(doc: dict) -> dict:
     return result
 
 
+def _by_backend(summary: dict) -> str:
+    """"; worker seconds <backend> <s>, ..." of a worker phase's summary, or nothing."""
+    by = ", ".join(f"{n} {t:.0f}" for n, t in summary.get("worker_seconds", {}).items())
+    return f"; worker seconds {by}" if by else ""
+
+
 def format_costs(settings: dict) -> str:
-    """Where the time went: the warm-up, then per backend its parity checks and its timing."""
+    """Where the time went: the warm-up, the checks in worker processes, then per backend its parity
+    checks and its timing in this one."""
     parts = []
     w = settings.get("warm_up")
     if w:
-        by = ", ".join(f"{n} {t:.0f}" for n, t in w.get("worker_seconds", {}).items())
         parts.append(
             f"compiling ahead {w['seconds']:.0f} s ({w['calls']} calls in {w['workers']} processes"
-            + (f"; worker seconds {by}" if by else "")
-            + ")"
+            f"{_by_backend(w)})"
         )
     c = settings.get("parallel_checks")
     if c:
-        by = ", ".join(f"{n} {t:.0f}" for n, t in c.get("worker_seconds", {}).items())
+        left = f", {c['unfinished']} left to this process" if c["unfinished"] else ""
         parts.append(
             f"parity checks {c['seconds']:.0f} s ({c['points']} points in {c['workers']} processes"
-            + (f", {c['unfinished']} left to this process" if c["unfinished"] else "")
-            + (f"; worker seconds {by}" if by else "")
-            + ")"
+            f"{left}{_by_backend(c)})"
         )
     c = settings.get("parallel_member_checks")
     if c:
-        by = ", ".join(f"{n} {t:.0f}" for n, t in c.get("worker_seconds", {}).items())
         parts.append(
             f"member checks {c['seconds']:.0f} s ({c['points']} segments in {c['workers']} processes"
-            + (f"; worker seconds {by}" if by else "")
-            + ")"
+            f"{_by_backend(c)})"
         )
     for name, c in settings.get("seconds_by_backend", {}).items():
         parts.append(f"{name} {c['check']:.0f} s checking + {c['time']:.0f} s timing")

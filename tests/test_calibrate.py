@@ -36,7 +36,7 @@ def fake_backends(monkeypatch):
     extra = {"silu": 3.0}  # silu costs 3x under the synthetic clock, to be split off by the probe
 
     def timer(name, case, inp):
-        return (name, case), []
+        return calibrate_bench.Timer((name, case), [])
 
     def time_ms(fn, leaves, device, quick, training, share=1.0, warm=True, calls=1):
         name, case = fn
@@ -436,7 +436,7 @@ def test_timing_rounds_interleave_the_backends(monkeypatch):
         return values[fn][sum(c == fn for c in calls) - 1]
 
     monkeypatch.setattr(calibrate_bench, "time_ms", time_ms)
-    timers = {name: (name, []) for name in "abc"}
+    timers = {name: calibrate_bench.Timer(name, []) for name in "abc"}
     times, spent = calibrate_bench.time_all(timers, torch.device("cpu"), True, False)
     assert calls == ["a", "b", "c", "b", "a", "a", "b"]  # rounds a b c, b (c) a, (c) a b
     assert times["a"] == 2.0 and times["b"] == 4.0 and isinstance(times["c"], RuntimeError)
@@ -511,8 +511,8 @@ def test_stream_timing_counts_host_time_and_clears_grads():
 
 
 def test_time_all_passes_each_timers_call_count(monkeypatch):
-    """time_all hands time_ms a Timer's op calls per run (a plain (fn, leaves) pair makes one), so
-    every time it reports is per op call."""
+    """time_all hands time_ms a Timer's op calls per run (one unless it says more), so every time it
+    reports is per op call."""
     seen = {}
 
     def time_ms(fn, leaves, device, quick, training, share=1.0, warm=True, calls=1):
@@ -520,7 +520,8 @@ def test_time_all_passes_each_timers_call_count(monkeypatch):
         return 1.0
 
     monkeypatch.setattr(calibrate_bench, "time_ms", time_ms)
-    timers = {"chained": calibrate_bench.Timer(lambda: "chained", [], 4), "single": (lambda: "single", [])}
+    timer = calibrate_bench.Timer
+    timers = {"chained": timer(lambda: "chained", [], 4), "single": timer(lambda: "single", [])}
     calibrate_bench.time_all(timers, torch.device("cpu"), False, True)
     assert seen == {"chained": {4}, "single": {1}}
 
@@ -591,7 +592,8 @@ def test_slow_calls_get_one_timing_round(monkeypatch):
         return {"slow": calibrate_bench.SLOW_MS * 2, "fast": 0.1}[fn()]
 
     monkeypatch.setattr(calibrate_bench, "time_ms", fake_time_ms)
-    timers = {"slow": (lambda: "slow", []), "fast": (lambda: "fast", [])}
+    timer = calibrate_bench.Timer
+    timers = {"slow": timer(lambda: "slow", []), "fast": timer(lambda: "fast", [])}
     out, _ = calibrate_bench.time_all(timers, torch.device("cpu"), False, False)
     assert out == {"slow": calibrate_bench.SLOW_MS * 2, "fast": 0.1}
     assert [c for c in calls if c[0] == "slow"] == [("slow", True)]
