@@ -80,6 +80,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--out", help="default: <user dir>/<device slug>.json, the first place lookup looks")
     p.add_argument("--resume", action="store_true", help="keep the series already in --out, measure the rest")
     p.add_argument(
+        "--refresh",
+        action="store_true",
+        help="measure the selected --ops/--dtypes/--modes/--activations again, keeping the other entries "
+        "of the table at --out (after a timer or backend change that touches only some families)",
+    )
+    p.add_argument(
         "--probe", action="store_true", help="time every activation once; measure apart those that differ"
     )
     p.add_argument(
@@ -117,6 +123,26 @@ def _previous(path: str, info: dict) -> Optional[dict]:
     return table.data
 
 
+def _without_selected(previous: dict, args: argparse.Namespace, plan: Plan) -> dict:
+    """--refresh: ``previous`` less the entries and held-out records of the selected families, which the
+    run then measures again like any missing series."""
+    dtypes = {str(d).removeprefix("torch.") for d in plan.dtypes}
+
+    def selected(e: dict) -> bool:
+        return (
+            e["op"] in args.ops
+            and e["dtype"] in dtypes
+            and e["mode"] in args.modes
+            and e["activation"] in args.activations
+        )
+
+    return {
+        **previous,
+        "entries": [e for e in previous.get("entries", []) if not selected(e)],
+        "held_out_sizes": [h for h in previous.get("held_out_sizes", []) if not selected(h)],
+    }
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     device = (
@@ -127,7 +153,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plan = make_plan(args, device)
     info = heuristics.device_info(device)
     out = args.out or os.path.join(heuristics.user_dir(), info["slug"] + ".json")
-    previous = _previous(out, info) if args.resume else None
+    previous = _previous(out, info) if args.resume or args.refresh else None
+    if previous is not None and args.refresh:
+        previous = _without_selected(previous, args, plan)
     families = [
         (op, dt, mode, drop)
         for dt in plan.dtypes
@@ -162,8 +190,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # (a resumed run on a fresh machine), and the self-check's unmeasured sizes
         members_left = any(not e["parity_checked"] for e in run.entries.values())
         ahead = list(work) if members_left and not plan.quick else list(todo)
-        if plan.held_out_sizes and not run.held_sizes:
-            ahead += [(s, f) for s in series for f, _ in held_out_sizes(plan, s)]
+        # the self-check's points at unmeasured sizes, for the series that have none yet
+        held = {(h["op"], h["dtype"], h["activation"], h["mode"], h["dropout"]) for h in run.held_sizes}
+        unheld = (
+            [s for s in series if (s.op, str(s.dtype)[6:], s.rep, s.mode, s.dropout) not in held]
+            if plan.held_out_sizes
+            else []
+        )
+        ahead += [(s, f) for s in unheld for f, _ in held_out_sizes(plan, s)]
         warmed = _warm(plan, run, ahead, bar)
         bar.reset(total=len(todo))
         bar.unit = "series"
@@ -172,7 +206,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # needed 11% and 5% of its budget for the last two, session 5's 13% and 6%. A resumed run
         # whose unmeasured sizes are done keeps 20%. A quick run with workers keeps 30% for its
         # deferred checks
-        after = 0.2 if run.held_sizes else 0.32
+        after = 0.32 if unheld else 0.2
         run.reserve = (0.3 if run.workers else 0.0) if plan.quick else after
         for s, features in todo:
             if run.over():
@@ -180,10 +214,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             run.series(s, features)
             bar.update()
         run.reserve = 0.0 if plan.quick else 0.25
-        if plan.held_out_sizes and not run.over() and not run.held_sizes:
-            bar.reset(total=len(series) * plan.held_out_sizes)
+        if unheld and not run.over():
+            bar.reset(total=len(unheld) * plan.held_out_sizes)
             bar.unit = "point"
-            calibrate_checks.held_out_at_other_sizes(run, series)
+            calibrate_checks.held_out_at_other_sizes(run, unheld)
         member_checks = None
         run.reserve = 0.0
         # even past the budget: unchecked timings never reach a table
@@ -194,7 +228,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bar.reset(total=sum(not e["parity_checked"] for e in run.entries.values()))
             bar.unit = "member"
             member_checks = calibrate_checks.check_members(run)
-    elapsed = time.monotonic() - run.start + (previous or {}).get("settings", {}).get("elapsed_s", 0.0)
+    this_run = time.monotonic() - run.start
+    # a resumed run adds to the time of the run it extends; a refresh reports its own
+    resumed_from = 0.0 if args.refresh else (previous or {}).get("settings", {}).get("elapsed_s", 0.0)
+    elapsed = this_run + resumed_from
     entries = sorted(
         run.entries.values(),
         key=lambda e: (e["op"], e["dtype"], e["mode"], e["dropout"], e["activation"], e["features"]),
@@ -214,6 +251,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             else "time.perf_counter median",
             "budget_s": plan.budget_s,
             "elapsed_s": round(elapsed, 1),
+            "refreshed": sorted({f"{op} {str(dt)[6:]} {mode}" for op, dt, mode, _ in families})
+            if args.refresh
+            else None,
             "stopped_by_budget": run.stopped,
             "series_measured": sum(e["activation"] == e["measured_as"] for e in entries),
             "series_planned": len(work),

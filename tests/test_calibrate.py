@@ -239,6 +239,43 @@ def test_budget_stops_gracefully_and_resume_extends(user_dir, fake_backends):
     assert all(resumed[k] == first[k] for k in first)  # kept, not measured again
 
 
+def test_refresh_measures_the_selected_families_again_and_keeps_the_rest(user_dir, fake_backends, monkeypatch):
+    out = user_dir / "refresh.json"
+    args = ["--quick", "--dtypes", "float32", "--ops", "bias_act_dropout", "--activations", "gelu",
+            "--features", "32", "--tokens", "1", "4096", "--backends", "flat", "--out", str(out)]  # fmt: skip
+    assert calibrate.main(args) == 0
+    first = {(e["mode"], e["dropout"]): e for e in heuristics.load_table(str(out)).data["entries"]}
+    assert {mode for mode, _ in first} == {"inference", "training"}
+    assert all(e["segments"][-1]["backend"] == "flat" for e in first.values())
+    monkeypatch.setitem(fake_backends, "flat", lambda m: 100.0)  # 'flat' now loses everywhere
+    assert calibrate.main(args + ["--refresh", "--modes", "training"]) == 0
+    data = heuristics.load_table(str(out)).data
+    again = {(e["mode"], e["dropout"]): e for e in data["entries"]}
+    assert set(again) == set(first)
+    for key, e in again.items():
+        if key[0] == "inference":
+            assert e == first[key]  # kept as it was
+        else:  # measured again, under the new clock
+            assert [s["backend"] for s in e["segments"]] == ["eager"] and e != first[key]
+    assert data["settings"]["refreshed"] == ["bias_act_dropout float32 training"]
+
+
+def test_refresh_drops_the_held_out_records_of_the_selected_families():
+    record = {"op": "fused_linear", "dtype": "bfloat16", "activation": "gelu", "mode": "training", "dropout": False}
+    previous = {
+        "entries": [record, {**record, "mode": "inference"}, {**record, "dtype": "float16"}],
+        "held_out_sizes": [record, {**record, "activation": "identity"}],
+        "date": "kept",
+    }
+    args = calibrate.parse_args(["--refresh", "--modes", "training", "--dtypes", "bfloat16", "--ops", "fused_linear"])
+    plan = calibrate.make_plan(args, torch.device("cpu"))
+    left = calibrate._without_selected(previous, args, plan)
+    assert left["entries"] == previous["entries"][1:] and left["held_out_sizes"] == [] and left["date"] == "kept"
+    args = calibrate.parse_args(["--refresh", "--modes", "training", "--activations", "identity"])
+    left = calibrate._without_selected(previous, args, calibrate.make_plan(args, torch.device("cpu")))
+    assert left["entries"] == previous["entries"] and left["held_out_sizes"] == [record]
+
+
 def test_table_cli_unknown_device(user_dir, capsys):
     assert table_cli.main(["--gpu", "no such gpu"]) == 1
     assert "python -m dispatch.calibrate" in capsys.readouterr().err
