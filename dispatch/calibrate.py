@@ -25,7 +25,7 @@ import os
 import platform
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -123,9 +123,8 @@ def _previous(path: str, info: dict) -> Optional[dict]:
     return table.data
 
 
-def _without_selected(previous: dict, args: argparse.Namespace, plan: Plan) -> dict:
-    """--refresh: ``previous`` less the entries and held-out records of the selected families, which the
-    run then measures again like any missing series."""
+def _selected(args: argparse.Namespace, plan: Plan) -> Callable[[dict], bool]:
+    """Whether a table entry (or held-out record) belongs to the families this run's arguments select."""
     dtypes = {str(d).removeprefix("torch.") for d in plan.dtypes}
 
     def selected(e: dict) -> bool:
@@ -136,11 +135,7 @@ def _without_selected(previous: dict, args: argparse.Namespace, plan: Plan) -> d
             and e["activation"] in args.activations
         )
 
-    return {
-        **previous,
-        "entries": [e for e in previous.get("entries", []) if not selected(e)],
-        "held_out_sizes": [h for h in previous.get("held_out_sizes", []) if not selected(h)],
-    }
+    return selected
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -154,8 +149,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     info = heuristics.device_info(device)
     out = args.out or os.path.join(heuristics.user_dir(), info["slug"] + ".json")
     previous = _previous(out, info) if args.resume or args.refresh else None
-    if previous is not None and args.refresh:
-        previous = _without_selected(previous, args, plan)
+    # --refresh measures the selected series as if missing; each old entry stays until its new one
+    # replaces it (a refresh stopped by its budget leaves a whole table), but the selected families'
+    # held-out records go now: the self-check must not compare old timings with new fits
+    refresh = _selected(args, plan) if args.refresh else lambda e: False
+    if previous is not None:
+        previous = {**previous, "held_out_sizes": [h for h in previous.get("held_out_sizes", []) if not refresh(h)]}
     families = [
         (op, dt, mode, drop)
         for dt in plan.dtypes
@@ -182,7 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         done = {
             (e["op"], e["dtype"], e["mode"], e["dropout"], e["activation"], tuple(e["features"]))
             for e in run.entries.values()
-            if e["activation"] == e["measured_as"]
+            if e["activation"] == e["measured_as"] and not refresh(e)
         }
         todo = [(s, f) for s, f in work if (s.op, str(s.dtype)[6:], s.mode, s.dropout, s.rep, f) not in done]
         series = list({id(s): s for s, _ in work}.values())

@@ -260,20 +260,15 @@ def test_refresh_measures_the_selected_families_again_and_keeps_the_rest(user_di
     assert data["settings"]["refreshed"] == ["bias_act_dropout float32 training"]
 
 
-def test_refresh_drops_the_held_out_records_of_the_selected_families():
+def test_refresh_selects_by_op_dtype_mode_and_activation():
     record = {"op": "fused_linear", "dtype": "bfloat16", "activation": "gelu", "mode": "training", "dropout": False}
-    previous = {
-        "entries": [record, {**record, "mode": "inference"}, {**record, "dtype": "float16"}],
-        "held_out_sizes": [record, {**record, "activation": "identity"}],
-        "date": "kept",
-    }
     args = calibrate.parse_args(["--refresh", "--modes", "training", "--dtypes", "bfloat16", "--ops", "fused_linear"])
-    plan = calibrate.make_plan(args, torch.device("cpu"))
-    left = calibrate._without_selected(previous, args, plan)
-    assert left["entries"] == previous["entries"][1:] and left["held_out_sizes"] == [] and left["date"] == "kept"
-    args = calibrate.parse_args(["--refresh", "--modes", "training", "--activations", "identity"])
-    left = calibrate._without_selected(previous, args, calibrate.make_plan(args, torch.device("cpu")))
-    assert left["entries"] == previous["entries"] and left["held_out_sizes"] == [record]
+    selected = calibrate._selected(args, calibrate.make_plan(args, torch.device("cpu")))
+    assert selected(record) and selected({**record, "dropout": True})
+    assert not selected({**record, "mode": "inference"}) and not selected({**record, "dtype": "float16"})
+    args = calibrate.parse_args(["--refresh", "--activations", "identity"])
+    selected = calibrate._selected(args, calibrate.make_plan(args, torch.device("cpu")))
+    assert not selected(record) and selected({**record, "activation": "identity", "dtype": "float32"})
 
 
 def test_table_cli_unknown_device(user_dir, capsys):
