@@ -1,11 +1,12 @@
 """The ops as ``torch.library`` custom ops, used when ``torch.compile`` traces a model.
 
 When no backend is requested (no ``backend=`` argument, ``use_backend`` or ``DISPATCH_BACKEND`` at
-trace time), fused_linear and bias_act_dropout without dropout are traced as their reference math
-instead (``inline``): inductor then fuses bias and activation with their neighbours exactly as it
-does for ``nn.Linear`` + activation, where an opaque node would block that fusion (compiled GPT-2
-ran at 0.74x of the unpatched compiled model with opaque nodes, benchmarks/NOTES.md). Dropout always
-takes the custom op: its mask follows ``dispatch.rng``'s spec, not inductor's RNG.
+trace time), both ops are traced as plain math instead (``inline``): inductor then fuses bias,
+activation and dropout with their neighbours exactly as it does for ``nn.Linear`` + activation +
+``nn.Dropout``, where an opaque node would block that fusion (compiled GPT-2 ran at 0.74x of the
+unpatched compiled model with opaque nodes, 0.996x with only dropout opaque; benchmarks/NOTES.md).
+Dropout's mask then comes from inductor's RNG, as ``nn.Dropout``'s does under compile. A requested
+backend, or a ``generator`` passed to the op, keeps the custom op and ``dispatch.rng``'s spec.
 
 Inside a compiled graph each custom op is one opaque node with a fake (shape-only) implementation
 and a registered autograd formula; the backend is chosen when the node runs, by the same rules as in

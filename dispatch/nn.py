@@ -9,8 +9,9 @@ weight and bias are cast to that dtype first, as ``nn.Linear`` does (float64 ten
 as autocast leaves them); the output has that dtype. ``FusedBiasActDropout`` casts its bias to x's
 dtype, whatever x is: the fused op needs one dtype, and x carries the precision the model chose.
 
-torch.compile: both modules compile with ``fullgraph=True``; each op is one custom-op node
-(``dispatch/library.py``).
+torch.compile: both modules compile with ``fullgraph=True``; with no backend requested their ops are
+traced as plain math that inductor fuses (dropout with inductor's mask), else each op is one
+custom-op node (``dispatch/library.py``).
 
 CUDA graphs: dropout draws its ``[seed, offset]`` pair with ``torch.randint`` on x's device from the
 device's default generator (``dispatch/rng.py``). Under ``torch.cuda.graph`` capture torch registers

@@ -52,14 +52,14 @@ def test_compiled_mlp_matches_eager(device):
     _compare(MLP().to(device), x)
 
 
-def test_compiled_mlp_with_dropout_matches_eager(device):
-    """A compiled graph draws ``rng`` with aten randint (dispatch/rng.py); the mask itself is computed
-    inside the custom op by the chosen backend, never by inductor's own RNG. On CPU eager mode draws
-    with the same randint, so with fallback_random the masks, hence outputs and gradients, are equal.
-    On CUDA eager mode reads the generator's state on the host instead (no kernel for the draw): there
-    the compiled model must be reproducible under a seed, and each seed must give another mask."""
+def test_compiled_mlp_with_dropout_matches_eager_when_a_backend_is_requested(device):
+    """With a backend requested the compiled graph keeps the custom op: it draws ``rng`` with aten
+    randint (dispatch/rng.py) and the backend computes the spec's mask. On CPU eager mode draws with
+    the same randint, so with fallback_random the masks, hence outputs and gradients, are equal. On
+    CUDA eager mode reads the generator's state on the host instead (no kernel for the draw): there the
+    compiled model must be reproducible under a seed, and each seed must give another mask."""
     x = torch.randn(2, 5, 16, device=device, requires_grad=True)
-    with torch._inductor.config.patch(fallback_random=True):
+    with torch._inductor.config.patch(fallback_random=True), use_backend("eager"):
         if x.is_cuda:
             compiled = torch.compile(MLP(p=0.3).to(device), fullgraph=True)
             again = _run(compiled, x, seed=1234)
@@ -71,14 +71,36 @@ def test_compiled_mlp_with_dropout_matches_eager(device):
     assert not torch.equal(y_1234, y_99), "the compiled model ignored dropout"
 
 
+def test_compiled_dropout_without_a_backend_is_inductors(device):
+    """No backend requested: the op is plain math in the graph and inductor draws the mask. What must
+    hold is dropout's contract: kept values are act(x + bias) / (1 - p), about p of them dropped,
+    the gradient zero exactly where the output was dropped, and a seed reproduces the mask."""
+    p = 0.25
+    x = (torch.rand(64, 96, device=device) + 0.5).requires_grad_()  # x + bias > 0: no zero is relu's
+    bias = torch.rand(96, device=device, requires_grad=True)
+    op = torch.compile(lambda x, b: fused_bias_act_dropout(x, b, "relu", p), fullgraph=True)
+    torch.manual_seed(7)
+    y = op(x, bias)
+    kept = y != 0
+    torch.testing.assert_close(y[kept], ((x + bias) / (1 - p))[kept])
+    assert abs(1 - kept.float().mean().item() - p) < 0.05, f"dropped {1 - kept.float().mean().item():.3f}"
+    grad_y = torch.randn_like(y)
+    gx, gb = torch.autograd.grad(y, (x, bias), grad_y)
+    torch.testing.assert_close(gx, torch.where(kept, grad_y / (1 - p), 0.0))
+    torch.testing.assert_close(gb, gx.sum(0))
+    torch.manual_seed(7)
+    assert torch.equal(op(x, bias) != 0, kept), "the same seed drew another mask"
+    assert not torch.equal(op(x, bias) != 0, kept), "the next call drew the same mask"
+
+
 def test_no_graph_breaks_in_eval(device):
     model = MLP(p=0.3).to(device).eval()
     explanation = torch._dynamo.explain(model)(torch.randn(3, 16, device=device))
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
 
 
-def _custom_ops_traced(model: nn.Module, x: torch.Tensor) -> list[str]:
-    """The fusedispatch custom ops in the graph dynamo captures for ``model(x)`` (no inductor)."""
+def _custom_ops_traced(model: nn.Module, x: torch.Tensor, fullgraph: bool = True) -> list[str]:
+    """The fusedispatch custom ops in the graphs dynamo captures for ``model(x)`` (no inductor)."""
     found: list[str] = []
 
     def capture(gm: torch.fx.GraphModule, example_inputs):
@@ -86,18 +108,21 @@ def _custom_ops_traced(model: nn.Module, x: torch.Tensor) -> list[str]:
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(model, backend=capture, fullgraph=True)(x)
+    torch.compile(model, backend=capture, fullgraph=fullgraph)(x)
     torch._dynamo.reset()
     return found
 
 
 def test_compile_inlines_the_reference_unless_a_backend_is_requested(device):
-    """With no backend requested, fused_linear and dropout-free bias_act_dropout are traced as their
-    reference math, so inductor can fuse them with their neighbours; dropout stays the custom op (the
-    spec's mask), and a requested backend keeps every op a custom op that runs it."""
+    """With no backend requested both ops, dropout included, are traced as plain math, so inductor can
+    fuse them with their neighbours; a generator keeps dropout the custom op (the spec's mask from
+    that generator), and a requested backend keeps every op a custom op that runs it."""
     x = torch.randn(3, 16, device=device)
     assert _custom_ops_traced(MLP().to(device).eval(), x) == []
-    assert _custom_ops_traced(MLP(p=0.3).to(device).train(), x) == ["fusedispatch.bias_act_dropout.default"]
+    assert _custom_ops_traced(MLP(p=0.3).to(device).train(), x) == []
+    gen = torch.Generator(device).manual_seed(0)  # dynamo breaks the graph at the draw from it
+    with_gen = _custom_ops_traced(lambda x: fused_bias_act_dropout(x, None, "gelu", 0.3, generator=gen), x, False)
+    assert with_gen == ["fusedispatch.bias_act_dropout.default"]
     with use_backend("eager"):
         traced = _custom_ops_traced(MLP().to(device).eval(), x)
     assert sorted(set(traced)) == ["fusedispatch.bias_act_dropout.default", "fusedispatch.fused_linear.default"]

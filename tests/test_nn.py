@@ -196,10 +196,13 @@ def test_autocast_cpu_bf16_like_linear(activation):
 
 
 def test_compile_fullgraph_training_with_autocast():
-    """One compile: a model of both modules in training mode (dropout on) under bf16 autocast, forward
-    and backward, no graph break; with inductor's RNG falling back to torch's, the compiled model
-    draws the same rng as eager mode and so matches it exactly."""
+    """Compiles of a model of both modules in training mode (dropout on) under bf16 autocast, forward
+    and backward, no graph break. With a backend requested the ops stay custom ops and, inductor's
+    RNG falling back to torch's, the compiled model draws the same rng as eager mode and so matches it
+    exactly; with none, inductor owns the dropout (its mask, dispatch/library.py)."""
     import torch._inductor.config as inductor_config
+
+    from dispatch import use_backend
 
     model = nn.Sequential(
         FusedLinear(16, 32, activation="gelu"),
@@ -207,7 +210,11 @@ def test_compile_fullgraph_training_with_autocast():
         FusedBiasActDropout(16, "identity", p=0.2),
     )
     x = torch.randn(4, 5, 16)
-    with inductor_config.patch(fallback_random=True):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.compile(model, fullgraph=True)(_leaf(x))
+    assert y.dtype == torch.bfloat16 and (y == 0).any() and (y != 0).any()
+    torch._dynamo.reset()
+    with inductor_config.patch(fallback_random=True), use_backend("eager"):
         compiled = torch.compile(model, fullgraph=True)
         runs = []
         for fn in (compiled, model):

@@ -63,6 +63,17 @@ def forward(
     return _mask_scale(ACTIVATIONS[activation].forward(z), p, rng).to(x.dtype)
 
 
+def traced(x: Tensor, bias: Optional[Tensor], activation: str, p: float) -> Tensor:
+    """What ``torch.compile`` traces when no backend is requested: act(x + bias) in float32, then
+    PyTorch's own dropout (p > 0), rounded once to x's dtype. Inductor fuses all of it with the
+    neighbouring ops and draws the mask with its own generator, as it does for ``nn.Dropout``; the
+    mask then follows inductor's RNG, not ``dispatch.rng``'s spec."""
+    y = ACTIVATIONS[activation].forward(_pre_activation(x, bias, _compute_dtype(x.dtype)))
+    if p > 0.0:
+        y = torch.nn.functional.dropout(y, p, training=True)
+    return y.to(x.dtype)
+
+
 def backward(
     grad_y: Tensor,
     x: Tensor,
