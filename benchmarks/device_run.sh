@@ -37,6 +37,7 @@ for arg in "$@"; do
     env) stage env "$limit" bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m dispatch.info' ;;
     gputests) stage gputests "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=10 ${GPU_K:+-k "$GPU_K"} ${GPU_TESTS:-tests} ;;
     gputests2) stage gputests2 "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=10 ${GPU_K2:+-k "$GPU_K2"} ${GPU_TESTS2:-tests} ;;
+    pytest) stage pytest "$limit" python3 -m pytest -q -p no:cacheprovider -rfE ${PYTEST_ARGS:?} ;;
     cputests) stage cputests "$limit" python3 -m pytest -q -p no:cacheprovider -x tests ;;
     tests_b) stage tests_b "$limit" python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests/test_triton_bias_act_dropout.py tests/test_rng.py tests/test_compiled_backends.py tests/test_compile.py tests/test_nn.py tests/test_dispatch.py tests/test_patch.py tests/test_parity_cli.py tests/test_heuristics.py tests/test_fuzz.py tests/test_triton_fused_linear.py tests/test_fused_linear.py ;;
     tests_v) stage tests_v "$limit" python3 -m pytest -v -p no:cacheprovider -rfE tests/test_compiled_backends.py::test_compiled_dropout_masks_gpu tests/test_compiled_backends.py::test_nvfuser_and_inductor_float32_refuse_dropout_on_cuda_gpu tests/test_bias_act_dropout.py tests/test_compile.py tests/test_rng.py::test_draw_for_forms_and_seeding tests/test_nn.py::test_cuda_graph_replays_draw_new_masks tests/test_triton_bias_act_dropout.py -m "gpu or not gpu" -k "gpu or compile or draw_for or rows_kernel or host_rng" ;;
@@ -66,7 +67,7 @@ for arg in "$@"; do
     bench_overhead) stage bench_overhead "$limit" python3 benchmarks/bench_dispatch_overhead.py --out "$R" ;;
     e2e_profile) stage e2e_profile "$limit" python3 benchmarks/probes/probe_e2e_profile.py ;;
     e2e_profile_compile) stage e2e_profile_compile "$limit" python3 benchmarks/probes/probe_e2e_profile.py --configs compile,compile+patched ;;
-    bench_e2e) stage bench_e2e "$limit" python3 benchmarks/bench_e2e.py --out "$R" ;;
+    bench_e2e) stage bench_e2e "$limit" python3 benchmarks/bench_e2e.py ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} --out "$R" ;;
     # every fused op forced onto triton: under compile the ops are then opaque triton kernels, not the
     # plain math that inductor fuses (issue 7: does a triton c_fc beat inductor's own under compile?)
     bench_e2e_triton) mkdir -p "$R/e2e_triton"; stage bench_e2e_triton "$limit" python3 benchmarks/bench_e2e.py --backend triton --configs "${E2E_CONFIGS:-compile,compile+patched}" --out "$R/e2e_triton" ;;

@@ -221,7 +221,7 @@ def fused_bias_act_dropout(
         if library.inline(backend) and (generator is None or not dropout):
             from backends.eager.bias_act_dropout import traced
 
-            return traced(x2d, bias, activation, p).view(x.shape)
+            return traced(x, bias, activation, p)
         rng = dropout_rng.draw(x.device, generator) if dropout else None  # a traced op: a tensor
 
         return library.bias_act_dropout(x2d, bias, activation, p, rng, backend or "", _needs_grad(x, bias)).view(x.shape)
@@ -299,9 +299,9 @@ def fused_linear(
         from dispatch import library
 
         if library.inline(backend):  # inductor fuses bias and activation as for nn.Linear
-            from backends.eager.fused_linear import forward
+            from backends.eager.fused_linear import traced
 
-            return forward(x2d, weight, bias, activation)[0].view(*x.shape[:-1], n)
+            return traced(x, weight, bias, activation)
         return library.fused_linear(x2d, weight, bias, activation, backend or "", grad).view(*x.shape[:-1], n)
     key = (
         "fused_linear", _device_key(x), x.dtype, x2d.shape[0], n, k, activation, grad, *request_key(backend)

@@ -64,14 +64,13 @@ def forward(
 
 
 def traced(x: Tensor, bias: Optional[Tensor], activation: str, p: float) -> Tensor:
-    """What ``torch.compile`` traces when no backend is requested: act(x + bias) in float32, then
-    PyTorch's own dropout (p > 0), rounded once to x's dtype. Inductor fuses all of it with the
-    neighbouring ops and draws the mask with its own generator, as it does for ``nn.Dropout``; the
-    mask then follows inductor's RNG, not ``dispatch.rng``'s spec."""
-    y = ACTIVATIONS[activation].forward(_pre_activation(x, bias, _compute_dtype(x.dtype)))
-    if p > 0.0:
-        y = torch.nn.functional.dropout(y, p, training=True)
-    return y.to(x.dtype)
+    """What ``torch.compile`` traces when no backend is requested: the ops a model would write for
+    bias + activation + ``nn.Dropout`` in x's dtype (inductor computes a fused kernel's intermediates
+    in float32 and rounds once, so explicit casts would only add graph nodes). Inductor fuses it with
+    the neighbouring ops and draws the mask with its own generator, as for ``nn.Dropout``: the mask
+    then follows inductor's RNG, not ``dispatch.rng``'s spec."""
+    y = ACTIVATIONS[activation].forward(x if bias is None else x + bias)
+    return torch.nn.functional.dropout(y, p, training=True) if p > 0.0 else y
 
 
 def backward(

@@ -43,6 +43,13 @@ def forward(
     return y, pre
 
 
+def traced(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
+    """What ``torch.compile`` traces when no backend is requested: ``nn.Linear`` + activation as a
+    model writes them, in x's dtype (inductor rounds its fused epilogue once; explicit float32 casts
+    would only add graph nodes)."""
+    return ACTIVATIONS[activation].forward(F.linear(x, weight, bias))
+
+
 def backward(
     grad_y: Tensor,
     x: Tensor,
