@@ -27,18 +27,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import bench_e2e  # noqa: E402
 
 
-def step(model, x, y) -> None:
+def step(model, opt, x, y) -> None:
+    """One training step as bench_e2e.train takes it (clipping and the fused AdamW included)."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
         logits = model(input_ids=x).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
     loss.backward()
-    model.zero_grad(set_to_none=True)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def profile(model, batches, steps: int, device: torch.device) -> tuple[float, float, list]:
-    """(wall ms per step, kernel ms per step, [(kernel name, ms per step, calls per step)])."""
+    """(wall ms per step, kernel ms per step, [(kernel name, ms per step, calls per step)] for every
+    kernel, the longest first)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     for x, y in batches[:3]:  # warm-up: compiles, decisions, allocator
-        step(model, x, y)
+        step(model, opt, x, y)
     cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     if cuda:
@@ -46,7 +51,7 @@ def profile(model, batches, steps: int, device: torch.device) -> tuple[float, fl
     start = time.perf_counter()
     with torch.profiler.profile(activities=activities) as prof:
         for x, y in batches[3 : 3 + steps]:
-            step(model, x, y)
+            step(model, opt, x, y)
         if cuda:
             torch.cuda.synchronize()
     wall = (time.perf_counter() - start) * 1e3 / steps
@@ -57,8 +62,27 @@ def profile(model, batches, steps: int, device: torch.device) -> tuple[float, fl
 
     kernels = [e for e in events if device_us(e) > 0 and e.device_type == torch.autograd.DeviceType.CUDA] if cuda else []
     busy = sum(device_us(e) for e in kernels) / 1e3 / steps
-    top = sorted(kernels, key=device_us, reverse=True)[:15]
-    return wall, busy, [(e.key[:70], device_us(e) / 1e3 / steps, e.count / steps) for e in top]
+    ranked = sorted(kernels, key=device_us, reverse=True)
+    return wall, busy, [(e.key, device_us(e) / 1e3 / steps, e.count / steps) for e in ranked]
+
+
+def _shape_of(name: str) -> str:
+    """A kernel's name without inductor's running number (triton_poi_fused_add_3 -> ..._add_N), so
+    the same fusion in two compiled models compares equal."""
+    head, _, tail = name.rpartition("_")
+    return f"{head}_N" if name.startswith("triton_") and tail.isdigit() else name
+
+
+def diff(a: list, b: list, rows: int = 25) -> list:
+    """Kernels whose time or count per step differ most between configs a and b."""
+    per: dict = {}
+    for i, kernels in enumerate((a, b)):
+        for name, ms, calls in kernels:
+            entry = per.setdefault(_shape_of(name), [0.0, 0.0, 0.0, 0.0])
+            entry[i] += ms
+            entry[2 + i] += calls
+    out = sorted(per.items(), key=lambda kv: abs(kv[1][1] - kv[1][0]), reverse=True)[:rows]
+    return [[k[:70], f"{v[0]:.3f}", f"{v[1]:.3f}", f"{v[1] - v[0]:+.3f}", f"{v[2]:.0f}", f"{v[3]:.0f}"] for k, v in out]
 
 
 def main() -> None:
@@ -84,18 +108,28 @@ def main() -> None:
         (tokens[i : i + args.batch, :-1], tokens[i : i + args.batch, 1:])
         for i in range(0, len(tokens), args.batch)
     ]
-    summary = []
+    summary, profiles = [], {}
     for name in a.configs.split(","):
         model, _ = bench_e2e.build(config, state, device, patched="patched" in name)
         if name.startswith("compile"):  # the warm-up steps in profile() compile it
             model = torch.compile(model)
-        wall, busy, top = profile(model, batches, a.steps, device)
-        summary.append([name, f"{wall:.2f}", f"{busy:.2f}", f"{wall - busy:.2f}"])
+        wall, busy, kernels = profile(model, batches, a.steps, device)
+        launches = sum(n for _, _, n in kernels)
+        summary.append([name, f"{wall:.2f}", f"{busy:.2f}", f"{wall - busy:.2f}", f"{launches:.0f}"])
         print(f"--- {name}: top kernels (ms per step, calls per step)")
-        print(tabulate([[k, f"{ms:.3f}", f"{n:.0f}"] for k, ms, n in top], headers=["kernel", "ms", "calls"]))
+        rows = [[k[:70], f"{ms:.3f}", f"{n:.0f}"] for k, ms, n in kernels[:15]]
+        print(tabulate(rows, headers=["kernel", "ms", "calls"]))
+        profiles[name] = kernels
         del model
         torch._dynamo.reset()
-    print(tabulate(summary, headers=["config", "wall ms/step", "kernel ms/step", "not kernel"]))
+    names = list(profiles)
+    if len(names) >= 2:
+        first, second = names[:2]
+        print(f"--- kernels that differ most: {first} -> {second} (ms and calls per step)")
+        heads = ["kernel", f"ms {first}", f"ms {second}", "diff", f"calls {first}", f"calls {second}"]
+        print(tabulate(diff(profiles[first], profiles[second]), headers=heads))
+    heads = ["config", "wall ms/step", "kernel ms/step", "not kernel", "kernels/step"]
+    print(tabulate(summary, headers=heads))
 
 
 if __name__ == "__main__":
