@@ -121,7 +121,9 @@ def test_compile_inlines_the_reference_unless_a_backend_is_requested(device):
     assert _custom_ops_traced(MLP().to(device).eval(), x) == []
     assert _custom_ops_traced(MLP(p=0.3).to(device).train(), x) == []
     gen = torch.Generator(device).manual_seed(0)  # dynamo breaks the graph at the draw from it
-    with_gen = _custom_ops_traced(lambda x: fused_bias_act_dropout(x, None, "gelu", 0.3, generator=gen), x, False)
+    with_gen = _custom_ops_traced(
+        lambda x: fused_bias_act_dropout(x, None, "gelu", 0.3, generator=gen), x, fullgraph=False
+    )
     assert with_gen == ["fusedispatch.bias_act_dropout.default"]
     with use_backend("eager"):
         traced = _custom_ops_traced(MLP().to(device).eval(), x)

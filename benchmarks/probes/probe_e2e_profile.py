@@ -82,7 +82,10 @@ def diff(a: list, b: list, rows: int = 25) -> list:
             entry[i] += ms
             entry[2 + i] += calls
     out = sorted(per.items(), key=lambda kv: abs(kv[1][1] - kv[1][0]), reverse=True)[:rows]
-    return [[k[:70], f"{v[0]:.3f}", f"{v[1]:.3f}", f"{v[1] - v[0]:+.3f}", f"{v[2]:.0f}", f"{v[3]:.0f}"] for k, v in out]
+    return [
+        [k[:70], f"{v[0]:.3f}", f"{v[1]:.3f}", f"{v[1] - v[0]:+.3f}", f"{v[2]:.0f}", f"{v[3]:.0f}"]
+        for k, v in out
+    ]
 
 
 def main() -> None:
