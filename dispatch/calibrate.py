@@ -49,6 +49,8 @@ FAMILY_ORDER = (
     ("training", "bias_act_dropout", False),
     ("inference", "bias_act_dropout", True),
 )
+
+
 def _bandwidth_gbs(device: torch.device) -> Optional[float]:
     """Measured device-to-device copy bandwidth (read + write) of 1 GiB."""
     if device.type != "cuda":
@@ -138,6 +140,40 @@ def _selected(args: argparse.Namespace, plan: Plan) -> Callable[[dict], bool]:
     return selected
 
 
+def _runs(
+    previous: Optional[dict], args: argparse.Namespace, plan: Plan, seconds: float, families: list
+) -> list:
+    """The table's history, this run last: a run that started the table ("full" or "quick"), then
+    refreshes (each with the families it measured again). A resumed run adds its time and a part to
+    the run it extends. Tables from before this history start it with their one run."""
+    before = (previous or {}).get("settings", {})
+    runs = [dict(r) for r in before.get("runs") or []]
+    if previous is not None and not runs:
+        kind = "quick" if before.get("quick") else "full"
+        runs = [
+            {"run": kind, "date": previous.get("date"), "elapsed_s": before.get("elapsed_s", 0.0), "parts": 1}
+        ]
+    today = datetime.date.today().isoformat()
+    if args.refresh:
+        runs.append({"run": "refresh", "date": today, "elapsed_s": round(seconds, 1), "families": families})
+    elif previous is not None:  # --resume: one more part of the last run
+        runs[-1] = {
+            **runs[-1],
+            "elapsed_s": round(runs[-1]["elapsed_s"] + seconds, 1),
+            "parts": runs[-1].get("parts", 1) + 1,
+        }
+    else:
+        runs = [
+            {
+                "run": "quick" if plan.quick else "full",
+                "date": today,
+                "elapsed_s": round(seconds, 1),
+                "parts": 1,
+            }
+        ]
+    return runs
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     device = (
@@ -154,7 +190,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # held-out records go now: the self-check must not compare old timings with new fits
     refresh = _selected(args, plan) if args.refresh else lambda e: False
     if previous is not None:
-        previous = {**previous, "held_out_sizes": [h for h in previous.get("held_out_sizes", []) if not refresh(h)]}
+        previous = {
+            **previous,
+            "held_out_sizes": [h for h in previous.get("held_out_sizes", []) if not refresh(h)],
+        }
     families = [
         (op, dt, mode, drop)
         for dt in plan.dtypes
@@ -228,9 +267,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bar.unit = "member"
             member_checks = calibrate_checks.check_members(run)
     this_run = time.monotonic() - run.start
-    # a resumed run adds to the time of the run it extends; a refresh reports its own
-    resumed_from = 0.0 if args.refresh else (previous or {}).get("settings", {}).get("elapsed_s", 0.0)
-    elapsed = this_run + resumed_from
+    runs = _runs(
+        previous, args, plan, this_run, sorted({f"{op} {str(dt)[6:]} {mode}" for op, dt, mode, _ in families})
+    )
+    elapsed = runs[-1]["elapsed_s"]
     entries = sorted(
         run.entries.values(),
         key=lambda e: (e["op"], e["dtype"], e["mode"], e["dropout"], e["activation"], e["features"]),
@@ -249,10 +289,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if device.type == "cuda"
             else "time.perf_counter median",
             "budget_s": plan.budget_s,
-            "elapsed_s": round(elapsed, 1),
-            "refreshed": sorted({f"{op} {str(dt)[6:]} {mode}" for op, dt, mode, _ in families})
-            if args.refresh
-            else None,
+            "elapsed_s": elapsed,
+            "runs": runs,
             "stopped_by_budget": run.stopped,
             "series_measured": sum(e["activation"] == e["measured_as"] for e in entries),
             "series_planned": len(work),

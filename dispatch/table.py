@@ -94,11 +94,31 @@ def render(
     return "\n".join(out + [LEGEND] + provenance(table))
 
 
+def _history(settings: dict) -> str:
+    """The table's runs (settings.runs) in words: full run of 902 s in 2 parts; refreshed since: ..."""
+    runs = settings.get("runs") or [
+        {
+            "run": "quick" if settings.get("quick") else "full",
+            "elapsed_s": settings.get("elapsed_s"),
+            "parts": 1,
+        }
+    ]
+    first = runs[0]
+    parts = f" in {first['parts']} parts" if first.get("parts", 1) > 1 else ""
+    text = f"{first['run']} run of {first['elapsed_s']} s{parts}"
+    refreshes = [r for r in runs[1:] if r["run"] == "refresh"]
+    if refreshes:
+        text += "; refreshed since: " + "; ".join(
+            f"{', '.join(r['families'])} ({r['elapsed_s']:.0f} s, {r.get('date')})" for r in refreshes
+        )
+    return text
+
+
 def provenance(table: heuristics.Table) -> list[str]:
     """Where a table comes from: device, versions, date, run settings, backends, self-check."""
     d, v, s = table.data["device"], table.data.get("versions", {}), table.data.get("settings", {})
     cap = ".".join(map(str, d.get("capability") or [])) or "-"
-    run = f"{'quick' if s.get('quick') else 'full'} run of {s.get('elapsed_s')} s"
+    run = _history(s)
     device = (
         f"device: {d.get('name')} ({d.get('slug')}, {d.get('type')}, capability {cap}, "
         f"{d.get('sm_count', '-')} SMs, copy bandwidth {d.get('measured_bandwidth_gbs') or '-'} GB/s)"

@@ -234,7 +234,9 @@ def test_budget_stops_gracefully_and_resume_extends(user_dir, fake_backends):
     first = {(e["features"][0], e["dropout"]): e for e in heuristics.load_table(str(out)).data["entries"]}
     assert set(first) == {(32, False), (32, True), (48, False), (48, True)}
     assert calibrate.main(args + ["--features", "32", "48", "96", "--resume"]) == 0
-    resumed = {(e["features"][0], e["dropout"]): e for e in heuristics.load_table(str(out)).data["entries"]}
+    data = heuristics.load_table(str(out)).data
+    assert [(r["run"], r["parts"]) for r in data["settings"]["runs"]] == [("quick", 2)]  # one run, resumed
+    resumed = {(e["features"][0], e["dropout"]): e for e in data["entries"]}
     assert set(resumed) == set(first) | {(96, False), (96, True)}
     assert all(resumed[k] == first[k] for k in first)  # kept, not measured again
 
@@ -257,7 +259,12 @@ def test_refresh_measures_the_selected_families_again_and_keeps_the_rest(user_di
             assert e == first[key]  # kept as it was
         else:  # measured again, under the new clock
             assert [s["backend"] for s in e["segments"]] == ["eager"] and e != first[key]
-    assert data["settings"]["refreshed"] == ["bias_act_dropout float32 training"]
+    runs = data["settings"]["runs"]
+    assert [r["run"] for r in runs] == ["quick", "refresh"]
+    assert runs[1]["families"] == ["bias_act_dropout float32 training"]
+    assert data["settings"]["elapsed_s"] == runs[1]["elapsed_s"]
+    shown = "\n".join(table_cli.provenance(heuristics.load_table(str(out))))
+    assert f"quick run of {runs[0]['elapsed_s']} s; refreshed since: bias_act_dropout float32 training" in shown
 
 
 def test_refresh_selects_by_op_dtype_mode_and_activation():
