@@ -54,6 +54,11 @@ def arguments():
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)}")
     p.add_argument("--backend", help="one dispatch backend for all fused ops (default: the dispatcher picks)")
     p.add_argument("--tiny", action="store_true", help="2 layers, 64 wide, seq 64, batch 4: a CPU smoke run")
+    p.add_argument(
+        "--bias-in-linear",
+        action="store_true",
+        help="patch(bias_in_linear=True): c_proj keeps its bias in the GEMM (issue 7's experiment)",
+    )
     args = p.parse_args()
     if args.tiny:
         args.layers, args.seq, args.batch, args.vocab = args.layers or 2, 64, 4, 1024
@@ -93,7 +98,7 @@ def markov_corpus(n_seq: int, length: int) -> tuple[torch.Tensor, float]:
     return tokens, float(-(probs * probs.log()).sum())
 
 
-def build(config, state, device, patched: bool):
+def build(config, state, device, patched: bool, bias_in_linear: bool = False):
     from transformers import GPT2LMHeadModel
 
     import dispatch
@@ -101,7 +106,7 @@ def build(config, state, device, patched: bool):
     model = GPT2LMHeadModel(config)
     model.load_state_dict(state)
     model.to(device).train()
-    report = dispatch.patch(model) if patched else None
+    report = dispatch.patch(model, bias_in_linear=bias_in_linear) if patched else None
     return model, report
 
 
@@ -149,7 +154,8 @@ def run_config(name, config, state, batches, args, device) -> dict:
         torch.cuda.reset_peak_memory_stats()
     model = compiled = None
     try:
-        model, report = build(config, state, device, patched="patched" in name)
+        patched = "patched" in name
+        model, report = build(config, state, device, patched, bias_in_linear=args.bias_in_linear)
         if report is not None:
             row["patch"] = str(report)
             row["replaced"] = len(report)

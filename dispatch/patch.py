@@ -148,7 +148,7 @@ def _why_not(parent: nn.Module, run: _Run) -> Optional[str]:
     return None
 
 
-def _rewrite(parent: nn.Module, path: str, run: _Run) -> Replacement:
+def _rewrite(parent: nn.Module, path: str, run: _Run, bias_in_linear: bool = False) -> Replacement:
     """Swaps the run's children for fused modules (a run ``_why_not`` accepted)."""
     linear = getattr(parent, run.linear)
     activation = "identity" if run.act is None else activation_name(getattr(parent, run.act))
@@ -163,7 +163,13 @@ def _rewrite(parent: nn.Module, path: str, run: _Run) -> Replacement:
     weight, bias = _linear_parts(linear)
     n_out, n_in = weight.shape
     meta = {"device": "meta", "dtype": weight.dtype}  # skips initialization: the parameters are set below
-    if p > 0.0:
+    if p > 0.0 and bias_in_linear and activation == "identity":  # the bias in the GEMM's epilogue
+        fused = FusedLinear(n_in, n_out, bias=bias is not None, **meta)
+        if bias is not None:
+            fused.bias = bias
+        tail = FusedBiasActDropout(n_out, activation, p, bias=False, **meta).train(drop.training)
+        after = f"{run.linear}=FusedLinear() + {run.drop}=FusedBiasActDropout({activation}, p={p}, bias=False)"
+    elif p > 0.0:
         fused = FusedLinear(n_in, n_out, bias=False, **meta)
         tail = FusedBiasActDropout(n_out, activation, p, bias=bias is not None, **meta).train(drop.training)
         if bias is not None:
@@ -184,10 +190,10 @@ def _rewrite(parent: nn.Module, path: str, run: _Run) -> Replacement:
     return Replacement(path, type(parent).__name__, " + ".join(before), after)
 
 
-def _fuse(parent: nn.Module, path: str, run: _Run, report: PatchReport) -> None:
+def _fuse(parent: nn.Module, path: str, run: _Run, report: PatchReport, bias_in_linear: bool) -> None:
     why = _why_not(parent, run)
     if why is None:
-        report.replaced.append(_rewrite(parent, path, run))
+        report.replaced.append(_rewrite(parent, path, run, bias_in_linear))
     else:
         report.skipped.append((f"{path}.{run.linear}" if path else run.linear, why))
 
@@ -208,7 +214,7 @@ def _sequential_runs(seq: nn.Sequential) -> list[_Run]:
     return runs
 
 
-def patch(model: nn.Module) -> PatchReport:
+def patch(model: nn.Module, *, bias_in_linear: bool = False) -> PatchReport:
     """Replaces, in place, the Linear -> activation (-> dropout) runs of ``model``'s MLP blocks with
     ``FusedLinear`` / ``FusedBiasActDropout`` and returns a report (print it) of what changed where.
 
@@ -217,6 +223,12 @@ def patch(model: nn.Module) -> PatchReport:
     approximations), nn.SiLU, nn.LeakyReLU(0.01), and Hugging Face's gelu, gelu_new, gelu_pytorch_tanh,
     gelu_fast, relu2 (squared_relu), silu. With dropout off (``model.eval()`` or p = 0) the patched model
     computes the same function as before, up to rounding in the model's dtype.
+
+    ``bias_in_linear``: for a Linear -> Dropout run with no activation between (GPT-2's c_proj, BERT's
+    output), keep the bias in the linear (a GEMM epilogue) and give the dropout op none, instead of
+    moving the bias into the dropout's pass. Under torch.compile the patched graph then matches the
+    original's; eager mode computes the bias gradient in the linear's backward instead of in the
+    dropout's pass (an experiment of issue 7, benchmarks/NOTES.md).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -225,10 +237,10 @@ def patch(model: nn.Module) -> PatchReport:
         kind = type(module)
         if kind.__name__ in _HF_BLOCKS and kind.__module__.startswith("transformers."):
             for run in _HF_BLOCKS[kind.__name__]:
-                _fuse(module, path, _Run(*run), report)
+                _fuse(module, path, _Run(*run), report, bias_in_linear)
         elif isinstance(module, nn.Sequential):
             for run in _sequential_runs(module):
-                _fuse(module, path, run, report)
+                _fuse(module, path, run, report, bias_in_linear)
     return report
 
 

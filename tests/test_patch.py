@@ -98,6 +98,22 @@ def test_sequential_training_dropout_runs_through_fused_module():
     torch.testing.assert_close(model(x), torch.ones(64, 256), rtol=0, atol=0)
 
 
+def test_bias_in_linear_keeps_the_bias_in_the_gemm_when_no_activation_sits_between():
+    """patch(bias_in_linear=True): Linear -> Dropout keeps its bias in the linear and the dropout op
+    gets none; runs with an activation keep moving the bias into the fused pass. Same function."""
+    original = _mlp(0.3).eval()
+    model = copy.deepcopy(original)
+    report = patch(model, bias_in_linear=True)
+    assert "3=FusedLinear() + 4=FusedBiasActDropout(identity, p=0.3, bias=False)" in str(report)
+    assert model[3].bias is not None and model[4].bias is None and model[4].p == 0.3
+    assert model[0].bias is None and model[2].bias is not None  # gelu between: the bias moves
+    assert model[3].bias is original[3].bias or torch.equal(model[3].bias, original[3].bias)
+    x = torch.randn(5, 7, 16)
+    _assert_same(model(x), original(x))
+    y = model[:5].train()(torch.randn(64, 16))  # up to the bias-free dropout
+    assert 0.2 < float((y == 0).float().mean()) < 0.4, "dropout did not run at p = 0.3"
+
+
 def test_activation_names():
     assert activation_name(nn.GELU()) == "gelu"
     assert activation_name(nn.GELU(approximate="tanh")) == "gelu_tanh"
