@@ -168,7 +168,7 @@ def _rewrite(parent: nn.Module, path: str, run: _Run, bias_in_linear: bool = Fal
         if bias is not None:
             fused.bias = bias
         tail = FusedBiasActDropout(n_out, activation, p, bias=False, **meta).train(drop.training)
-        after = f"{run.linear}=FusedLinear() + {run.drop}=FusedBiasActDropout({activation}, p={p}, bias=False)"
+        after = f"{run.linear}=FusedLinear() + {run.drop}=FusedBiasActDropout(identity, p={p}, bias=False)"
     elif p > 0.0:
         fused = FusedLinear(n_in, n_out, bias=False, **meta)
         tail = FusedBiasActDropout(n_out, activation, p, bias=bias is not None, **meta).train(drop.training)
