@@ -9,7 +9,9 @@ Two rewrites, both exactly the original function (dropout masks aside):
   dropout in one pass. Backward regenerates the mask instead of keeping nn.Dropout's (one byte per
   element) but keeps the op's input: after an activation that input stands in for the pre-activation
   autograd keeps anyway (a byte per element saved); after a bare Linear (GPT-2's c_proj, BERT's output)
-  it costs one byte per element more than the mask in bf16.
+  it costs one byte per element more than the mask in bf16. With ``patch(model, bias_in_linear=True)``
+  a run with no activation keeps its bias in the linear (the GEMM's epilogue) and the dropout op gets
+  none, so that under ``torch.compile`` the graph is the original's.
 
 Where it looks: Hugging Face blocks by class (``_HF_BLOCKS``: GPT-2's MLP, BERT's intermediate and output
 blocks), and every ``nn.Sequential`` (Linear, then a known activation and/or ``nn.Dropout``). Hugging
