@@ -11,6 +11,7 @@ held-out measured points. ``--budget`` stops measuring gracefully: what was meas
 
     python -m dispatch.calibrate --quick                      # ~2 min on an H200, < 3 min on 2 CPU cores
     python -m dispatch.calibrate --out heuristics/tables/nvidia-h200.json   # full (H200: 902 s, 2 runs)
+    python -m dispatch.calibrate --refresh --modes training --out ...      # those families again
 
 On a GPU the calls the run will make are first compiled by worker processes into inductor's and
 Triton's on-disk caches, and the parity checks run there while this process only times
