@@ -191,7 +191,8 @@ def contenders(
     points and slower than that point's fastest by more than ``prune`` at every one, or timed at one
     point only and slower there than ``hopeless`` times the fastest. eager stays (the speedups are
     over it). The series' later points (the rest of the grid, the bisection) then time only the
-    contenders; held-out points time everyone, so the self-check sees what pruning missed.
+    contenders; held-out points time everyone (but the family's drops, ``hopeless_in``), so the
+    self-check sees what pruning missed.
     Series measure their grid's largest M first, then its middle, then the rest: the first point is
     where host overhead weighs least, so a backend that loses there by 2x does not win at smaller M
     (host overhead only grows in weight), and the first two points are far apart in M.
@@ -206,6 +207,19 @@ def contenders(
         if name == "eager" or not (beaten or lost):
             keep.append(name)
     return keep
+
+
+def hopeless_in(points: list[dict], hopeless: float = HOPELESS) -> set[str]:
+    """The backends (never eager) slower than ``hopeless`` times the fastest at every point of
+    ``points`` where they were timed. A family's first series (one feature size) drops these from the
+    family's later series, held-out points included: they cost their first calls (nvfuser's per-shape
+    TorchScript compiles: 60 of the 159 s of series in session 6's bias_act training refresh were
+    nvfuser's and inductor's timings in later series of the dropout families, where they lose by
+    7-200x). Checked on the session 6 table: no backend hopeless at every point of one feature size
+    of a family wins anywhere at another size of it."""
+    timed = [p["ms"] for p in points if p["ms"]]
+    names = {n for ms in timed for n in ms} - {"eager"}
+    return {n for n in names if all(ms[n] > hopeless * min(ms.values()) for ms in timed if n in ms)}
 
 
 def to_bisect(points: dict[int, dict], ratio: float) -> list[int]:

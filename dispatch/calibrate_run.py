@@ -21,6 +21,7 @@ from dispatch.calibrate_plan import (
     contenders,
     fit,
     held_out_ms,
+    hopeless_in,
     rank,
     spread,
     to_bisect,
@@ -59,6 +60,9 @@ class Run:
         # per series: its label, sizes, points, wall seconds and timing seconds by backend (where a
         # full run's time goes; settings.series_seconds in the table)
         self.series_log: list[dict] = []
+        # per family (op, dtype, mode, dropout, measured activation): the backends its first series
+        # found hopeless everywhere, left out of its later series (calibrate_plan.hopeless_in)
+        self.dropped: dict[tuple, set[str]] = {}
 
     def spent(self, name: str, what: str, since: float) -> None:
         entry = self.cost.setdefault(name, {"check": 0.0, "time": 0.0})
@@ -83,6 +87,11 @@ class Run:
         return sorted(
             (n for n in ok if self.only is None or n in self.only or n == "eager"), key=lambda n: n != "eager"
         )
+
+    def candidates(self, s: Series, case: bench.Case) -> list[str]:
+        """``names`` less the backends ``s``'s family has dropped."""
+        dropped = self.dropped.get((s.op, s.dtype, s.mode, s.dropout, s.rep), set())
+        return [n for n in self.names(case) if n not in dropped]
 
     def gate(
         self, name: str, case: bench.Case, inp: bench.Inputs, refs: list, eager: list, point: dict
@@ -156,7 +165,7 @@ class Run:
                 if self.over():
                     break
                 case = self.case(s, s.rep, m, features)
-                points[m] = self.measure(case, contenders(self.names(case), points))
+                points[m] = self.measure(case, contenders(self.candidates(s, case), points))
             pending = [m for m in to_bisect(points, self.plan.ratio) if m not in points]
         measured = sorted(points)
         held = []
@@ -165,8 +174,11 @@ class Run:
         ):
             if not self.over():
                 case = self.case(s, s.rep, m, features)
-                held.append(self.measure(case, self.names(case)))
+                held.append(self.measure(case, self.candidates(s, case)))
         self.add(s, s.rep, features, [points[m] for m in measured], held, True)
+        family = (s.op, s.dtype, s.mode, s.dropout, s.rep)
+        skipped = sorted(self.dropped.get(family, ()))
+        self.dropped.setdefault(family, hopeless_in([points[m] for m in measured] + held))
         timing = {n: round(c["time"] - before.get(n, 0.0), 2) for n, c in self.cost.items()}
         self.series_log.append(
             {
@@ -175,6 +187,7 @@ class Run:
                 "points": len(measured) + len(held),
                 "seconds": round(time.monotonic() - start, 2),
                 "timing_s": {n: t for n, t in timing.items() if t},
+                "skipped": skipped,  # dropped by the family's first series
             }
         )
         for member in s.members:

@@ -641,6 +641,39 @@ def test_slow_calls_get_one_timing_round(monkeypatch):
     assert [w for n, w in calls if n == "fast"] == [True] + [False] * (calibrate_bench.ROUNDS - 1)
 
 
+def test_hopeless_in_needs_a_loss_beyond_hopeless_at_every_timed_point():
+    from dispatch.calibrate_plan import HOPELESS, hopeless_in
+
+    far = HOPELESS + 0.5
+    points = [
+        {"ms": {"eager": 1.0, "triton": 0.5, "nvfuser": 0.5 * far, "inductor": 0.5 * far}},
+        {"ms": {"eager": 1.0, "triton": 0.9, "inductor": 0.95}},  # inductor close here; nvfuser not timed
+        {"ms": {}},  # a point where every backend failed its gate
+    ]
+    assert hopeless_in(points) == {"nvfuser"}
+    assert hopeless_in([{"ms": {"eager": far, "triton": 1.0}}]) == set()  # eager is never dropped
+
+
+def test_a_familys_first_series_drops_its_hopeless_backends_from_the_later_ones(user_dir, fake_backends):
+    """'slow' (10 + M ms against eager's 1 + M / 100) loses by more than HOPELESS everywhere at the
+    first feature size, so the family's later sizes (held-out points included) never time it."""
+    out = user_dir / "family.json"
+    args = ["--quick", "--dtypes", "float32", "--ops", "bias_act_dropout", "--activations", "gelu",
+            "--modes", "inference", "--features", "32", "48", "--tokens", "1", "64",
+            "--backends", "flat", "slow", "--out", str(out)]  # fmt: skip
+    assert calibrate.main(args) == 0
+    data = heuristics.load_table(str(out)).data
+    timed = {}
+    for e in data["entries"]:
+        for p in e["points"] + e["held_out"]:
+            timed.setdefault((e["features"][0], e["dropout"]), set()).update(p["ms"])
+    for dropout in (False, True):
+        assert "slow" in timed[(32, dropout)] and "slow" not in timed[(48, dropout)]
+        assert {"eager", "flat"} <= timed[(48, dropout)]
+    later = [x for x in data["settings"]["series_seconds"] if x["features"] == [48]]
+    assert later and all(x["skipped"] == ["slow"] for x in later)
+
+
 def test_contenders_drop_clear_losers_after_two_points():
     from dispatch.calibrate_plan import HOPELESS, PRUNE, contenders
 
