@@ -241,7 +241,9 @@ def test_budget_stops_gracefully_and_resume_extends(user_dir, fake_backends):
     assert all(resumed[k] == first[k] for k in first)  # kept, not measured again
 
 
-def test_refresh_measures_the_selected_families_again_and_keeps_the_rest(user_dir, fake_backends, monkeypatch):
+def test_refresh_measures_the_selected_families_again_and_keeps_the_rest(
+    user_dir, fake_backends, monkeypatch
+):
     out = user_dir / "refresh.json"
     args = ["--quick", "--dtypes", "float32", "--ops", "bias_act_dropout", "--activations", "gelu",
             "--features", "32", "--tokens", "1", "4096", "--backends", "flat", "--out", str(out)]  # fmt: skip
@@ -264,12 +266,16 @@ def test_refresh_measures_the_selected_families_again_and_keeps_the_rest(user_di
     assert runs[1]["families"] == ["bias_act_dropout float32 training"]
     assert data["settings"]["elapsed_s"] == runs[1]["elapsed_s"]
     shown = "\n".join(table_cli.provenance(heuristics.load_table(str(out))))
-    assert f"quick run of {runs[0]['elapsed_s']} s; refreshed since: bias_act_dropout float32 training" in shown
+    since = "refreshed since: bias_act_dropout float32 training"
+    assert f"quick run of {runs[0]['elapsed_s']} s; {since}" in shown
 
 
 def test_refresh_selects_by_op_dtype_mode_and_activation():
-    record = {"op": "fused_linear", "dtype": "bfloat16", "activation": "gelu", "mode": "training", "dropout": False}
-    args = calibrate.parse_args(["--refresh", "--modes", "training", "--dtypes", "bfloat16", "--ops", "fused_linear"])
+    record = {"op": "fused_linear", "dtype": "bfloat16", "activation": "gelu", "mode": "training"}
+    record["dropout"] = False
+    args = calibrate.parse_args(
+        ["--refresh", "--modes", "training", "--dtypes", "bfloat16", "--ops", "fused_linear"]
+    )
     selected = calibrate._selected(args, calibrate.make_plan(args, torch.device("cpu")))
     assert selected(record) and selected({**record, "dropout": True})
     assert not selected({**record, "mode": "inference"}) and not selected({**record, "dtype": "float16"})
