@@ -38,6 +38,7 @@ from dispatch.activations import ACTIVATION_NAMES
 from dispatch.calibrate_plan import MODES, NOISE, PREFERENCE, Plan, default_plan, held_out_sizes
 from dispatch.calibrate_run import Run
 from dispatch.registry import OPS, backends
+from dispatch.table import runs_of
 
 # Which families are measured first, breadth first (a budget may stop the run): inference before
 # training, as its compiles are cheaper (on 2 CPU cores inductor compiled bias_act_dropout inference
@@ -144,35 +145,20 @@ def _selected(args: argparse.Namespace, plan: Plan) -> Callable[[dict], bool]:
 def _runs(
     previous: Optional[dict], args: argparse.Namespace, plan: Plan, seconds: float, families: list
 ) -> list:
-    """The table's history, this run last: a run that started the table ("full" or "quick"), then
-    refreshes (each with the families it measured again). A resumed run adds its time and a part to
-    the run it extends. Tables from before this history start it with their one run."""
-    before = (previous or {}).get("settings", {})
-    runs = [dict(r) for r in before.get("runs") or []]
-    if previous is not None and not runs:
-        kind = "quick" if before.get("quick") else "full"
-        runs = [
-            {"run": kind, "date": previous.get("date"), "elapsed_s": before.get("elapsed_s", 0.0), "parts": 1}
-        ]
+    """The table's history with this run: a refresh is one more run (with the families it measured
+    again), a resumed run one more part of the last run, a fresh one the first run."""
+    runs = [] if previous is None else runs_of(previous.get("settings", {}), previous.get("date"))
     today = datetime.date.today().isoformat()
     if args.refresh:
-        runs.append({"run": "refresh", "date": today, "elapsed_s": round(seconds, 1), "families": families})
-    elif previous is not None:  # --resume: one more part of the last run
-        runs[-1] = {
-            **runs[-1],
-            "elapsed_s": round(runs[-1]["elapsed_s"] + seconds, 1),
-            "parts": runs[-1].get("parts", 1) + 1,
-        }
-    else:
-        runs = [
-            {
-                "run": "quick" if plan.quick else "full",
-                "date": today,
-                "elapsed_s": round(seconds, 1),
-                "parts": 1,
-            }
+        return runs + [
+            {"run": "refresh", "date": today, "elapsed_s": round(seconds, 1), "families": families}
         ]
-    return runs
+    if runs:  # --resume
+        last = runs[-1]
+        parts = {"elapsed_s": round(last["elapsed_s"] + seconds, 1), "parts": last.get("parts", 1) + 1}
+        return runs[:-1] + [{**last, **parts}]
+    kind = "quick" if plan.quick else "full"
+    return [{"run": kind, "date": today, "elapsed_s": round(seconds, 1), "parts": 1}]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

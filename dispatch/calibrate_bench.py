@@ -246,10 +246,9 @@ def time_all(
     """Each backend's median milliseconds per op call over ``ROUNDS`` interleaved rounds (A B C,
     B C A, C A B), each round a third of ``time_ms``'s time: a slow phase of the host or the GPU (the
     H200 host swings by 2x for seconds) then hits every backend alike instead of the one being timed.
-    A backend whose
-    first round took ``SLOW_MS`` or more is not timed again (the reference's dropout takes up to 95 ms
-    a call at 65536x4096). A backend whose timing raised gets its exception instead of a number. Also
-    returns the seconds spent on each."""
+    A backend whose first round took ``SLOW_MS`` or more is not timed again (the reference's dropout
+    takes up to 95 ms a call at 65536x4096). A backend whose timing raised gets its exception instead
+    of a number. Also returns the seconds spent on each."""
     per: dict[str, list[float]] = {name: [] for name in timers}
     out: dict[str, object] = {}
     spent = dict.fromkeys(timers, 0.0)

@@ -186,7 +186,6 @@ def held_out_at_other_sizes(run: Run, series: list[Series]) -> None:
             if run.over():
                 return
             case = run.case(s, s.rep, m, features)
-            point = run.measure(case, run.candidates(s, case))
             run.held_sizes.append(
                 {
                     "op": s.op,
@@ -195,7 +194,7 @@ def held_out_at_other_sizes(run: Run, series: list[Series]) -> None:
                     "mode": s.mode,
                     "dropout": s.dropout,
                     "features": list(features),
-                    "point": point,
+                    "point": run.measure(case, run.candidates(s, case)),
                 }
             )
             run.bar.update()

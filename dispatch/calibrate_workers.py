@@ -235,8 +235,8 @@ def _oom(result: list) -> bool:
 def _worker(path: str) -> None:
     """Reads {"kind", "device", "jobs"} from the JSON file ``path`` and writes its lines to
     ``path + ".out"``. ``warm``: runs each call once (forward, or forward + backward) and writes its
-backend and seconds. ``check``: one
-    JSON line of gate results per job, a backend that ran out of memory left out."""
+    backend and seconds. ``check``: one JSON line of gate results (and seconds) per job, a backend
+    that ran out of memory left out."""
     with open(path) as f:
         job = json.load(f)
     device = torch.device(job["device"])

@@ -94,15 +94,17 @@ def render(
     return "\n".join(out + [LEGEND] + provenance(table))
 
 
+def runs_of(settings: dict, date: Optional[str] = None) -> list[dict]:
+    """A table's history (settings.runs: the run that started it, then its refreshes); a table from
+    before that history has its one run."""
+    runs = [dict(r) for r in settings.get("runs") or []]
+    kind = "quick" if settings.get("quick") else "full"
+    return runs or [{"run": kind, "date": date, "elapsed_s": settings.get("elapsed_s", 0.0), "parts": 1}]
+
+
 def _history(settings: dict) -> str:
-    """The table's runs (settings.runs) in words: full run of 902 s in 2 parts; refreshed since: ..."""
-    runs = settings.get("runs") or [
-        {
-            "run": "quick" if settings.get("quick") else "full",
-            "elapsed_s": settings.get("elapsed_s"),
-            "parts": 1,
-        }
-    ]
+    """The table's runs in words: full run of 902 s in 2 parts; refreshed since: ..."""
+    runs = runs_of(settings)
     first = runs[0]
     parts = f" in {first['parts']} parts" if first.get("parts", 1) > 1 else ""
     text = f"{first['run']} run of {first['elapsed_s']} s{parts}"
