@@ -242,10 +242,12 @@ def time_all(
     device: torch.device,
     quick: bool,
     training: bool,
+    rounds: int = ROUNDS,
 ) -> tuple[dict[str, object], dict[str, float]]:
-    """Each backend's median milliseconds per op call over ``ROUNDS`` interleaved rounds (A B C,
-    B C A, C A B), each round a third of ``time_ms``'s time: a slow phase of the host or the GPU (the
-    H200 host swings by 2x for seconds) then hits every backend alike instead of the one being timed.
+    """Each backend's median milliseconds per op call over ``rounds`` interleaved rounds (A B C,
+    B C A, C A B, ...), each round a ``ROUNDS``-th of ``time_ms``'s time: a slow phase of the host or
+    the GPU (the H200 host swings by 2x for seconds) then hits every backend alike instead of the one
+    being timed.
     A backend whose first round took ``SLOW_MS`` or more is not timed again (the reference's dropout
     takes up to 95 ms a call at 65536x4096). A backend whose timing raised gets its exception instead
     of a number. Also returns the seconds spent on each."""
@@ -253,7 +255,7 @@ def time_all(
     out: dict[str, object] = {}
     spent = dict.fromkeys(timers, 0.0)
     names = list(timers)
-    for r in range(ROUNDS):
+    for r in range(rounds):
         shift = r % max(len(names), 1)
         for name in names[shift:] + names[:shift]:
             if name in out or (per[name] and per[name][0] >= SLOW_MS):

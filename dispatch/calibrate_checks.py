@@ -198,3 +198,44 @@ def held_out_at_other_sizes(run: Run, series: list[Series]) -> None:
                 }
             )
             run.bar.update()
+
+
+CONFIRM_ROUNDS = 9  # three times a point's usual rounds (and time), for the points timed again
+
+
+def confirm(run: Run, doc: dict, deadline_s: float) -> Optional[dict]:
+    """Times again, every backend side by side in ``CONFIRM_ROUNDS`` interleaved rounds, each
+    held-out point where the table's pick missed by the first timings (``calibrate_report.suspect``),
+    and stores the result as the point's ``confirmed_ms``. Why: a point's fastest backend is the
+    minimum of noisy numbers, so near-ties between backends that run the same kernels read as
+    regrets of 10-20% at host-bound sizes (session 6's self-check). The first timings stay, and the
+    self-check reports both. Points are taken worst first, until ``deadline_s`` has passed."""
+    from dispatch import calibrate_report
+
+    found = [(e, pt, c) for e, pt, c in calibrate_report.picks(doc) if calibrate_report.suspect(pt, c)]
+    if not found:
+        return None
+    found.sort(key=lambda f: f[1]["ms"][f[2]] / min(f[1]["ms"].values()), reverse=True)
+    run.bar.reset(total=len(found))
+    run.bar.unit = "point"
+    run.bar.set_description_str("timing again the points whose pick missed", False)
+    start, done = time.monotonic(), 0
+    for e, pt, _ in found:
+        if time.monotonic() - start > deadline_s:
+            break
+        case = bench.Case.of_entry(e, pt["m"], run.plan.device)
+        try:
+            inp = bench.make_inputs(case, pt["m"] + 1)  # fresh inputs, not the first timing's
+            timers = {n: bench.timer(n, case, inp) for n in sorted(pt["ms"])}
+            times, _ = bench.time_all(timers, case.device, run.plan.quick, case.training, CONFIRM_ROUNDS)
+        except (torch.cuda.OutOfMemoryError, MemoryError):
+            continue
+        finally:
+            if case.device.type == "cuda":
+                torch.cuda.empty_cache()
+        got = {n: float(f"{t:.5g}") for n, t in times.items() if not isinstance(t, Exception)}
+        if got.keys() == pt["ms"].keys():  # a backend that raised now: the first timings stand
+            pt["confirmed_ms"] = got
+            done += 1
+        run.bar.update()
+    return {"points": len(found), "timed_again": done, "seconds": round(time.monotonic() - start, 1)}

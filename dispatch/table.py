@@ -140,6 +140,7 @@ def provenance(table: heuristics.Table) -> list[str]:
             f"self-check: {check['within_5pct']:.0%} of {check['points']} held-out points within 5% of the "
             f"fastest, worst regret {check['worst_regret'] or 0:+.1%}, "
             f"worst vs eager {check['worst_vs_eager'] or 0:+.1%}"
+            + (f" ({check['confirmed_points']} missed picks timed again)" if check.get("confirmed_points") else "")
         )
     return lines
 
