@@ -212,7 +212,12 @@ def confirm(run: Run, doc: dict, deadline_s: float) -> Optional[dict]:
     self-check reports both. Points are taken worst first, until ``deadline_s`` has passed."""
     from dispatch import calibrate_report
 
-    found = [(e, pt, c) for e, pt, c in calibrate_report.picks(doc) if calibrate_report.suspect(pt, c)]
+    # a point timed again by an earlier run (an entry a --refresh or --resume kept) keeps its timings
+    found = [
+        (e, pt, c)
+        for e, pt, c in calibrate_report.picks(doc)
+        if "confirmed_ms" not in pt and calibrate_report.suspect(pt, c)
+    ]
     if not found:
         return None
     found.sort(key=lambda f: f[1]["ms"][f[2]] / min(f[1]["ms"].values()), reverse=True)

@@ -320,3 +320,20 @@ def test_infer_writes_no_pre_activation(activation, device, monkeypatch):
     assert torch.equal(y, triton_op.forward(x, w, b, activation)[0])
     with torch.no_grad():
         assert torch.equal(fused_linear(x, w, b, activation, backend="triton"), y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ("tma", "pointer"))
+def test_cached_launches_read_each_calls_operands_gpu(variant):
+    """Token counts of one specialization (none a multiple of 16) reuse the first call's compiled
+    kernel through ``Launcher``; each call must still read its own operands (new TMA descriptors)."""
+    weight = torch.randn(1536, 768, device="cuda").div(768**0.5).to(torch.bfloat16)
+    bias = torch.randn(1536, device="cuda").to(torch.bfloat16)
+    with matmul.options(variant=variant):
+        for m in (37, 300, 1001, 37):
+            x = torch.randn(m, 768, device="cuda").to(torch.bfloat16)
+            y, pre = triton_op.forward(x, weight, bias, "gelu")
+            ref, eager = reference(x, weight, bias, "gelu", upcast=True), reference(x, weight, bias, "gelu")
+            check(f"y (M={m})", y, ref, eager)
+            check(f"pre (M={m})", pre, reference(x, weight, bias, "identity", upcast=True))
+    assert matmul._TMA._compiled or variant == "pointer"

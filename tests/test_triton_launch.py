@@ -43,3 +43,22 @@ def test_constexprs_and_warps_are_in_the_key():
     a, b = torch.empty(64), torch.empty(64)
     assert _key(a, b, 3) != _key(a, b, 3, constexprs=("relu", 8))
     assert _key(a, b, 3) != _key(a, b, 3, warps=8)
+
+
+def test_descriptors_are_keyed_by_dtype_and_block_shape_only():
+    """Triton specializes a host TensorDescriptor on its dtype and block shape ("tensordesc<bf16[32,
+    16]>"); its base, shape and strides are runtime arguments, encoded at every launch."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    tma = Launcher(kernel=None, tensors=1, descriptors=1)
+
+    def key(t, block, stages=3):
+        d = TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+        return tma._key(0, 8, (128,), (d, torch.empty(4), 7), stages)
+
+    a = torch.randn(64, 96, dtype=torch.bfloat16)
+    other = torch.randn(8, 16, dtype=torch.bfloat16)
+    assert key(a, [32, 16]) == key(a[:48, :80], [32, 16]) == key(other, [32, 16])
+    assert key(a, [32, 16]) != key(a, [64, 16])
+    assert key(a, [32, 16]) != key(a.to(torch.float16), [32, 16])
+    assert key(a, [32, 16]) != key(a, [32, 16], stages=4)

@@ -15,7 +15,7 @@ goes through ``kernel[grid](...)`` unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -28,42 +28,55 @@ _I32 = 2**31
 
 
 class Launcher:
-    """``Launcher(kernel, tensors)(grid, args, constexprs, num_warps)`` launches ``kernel[grid](*args,
-    *constexprs, num_warps=num_warps)``. ``args`` are the runtime arguments, the first ``tensors`` of
-    them tensors and the rest Python ints and floats; ``constexprs`` the compile-time ones; both in
-    the kernel's parameter order (constexprs after every runtime one)."""
+    """``Launcher(kernel, tensors, descriptors)(grid, args, constexprs, num_warps, num_stages)``
+    launches ``kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)``. ``args``
+    are the runtime arguments: the first ``descriptors`` of them host ``TensorDescriptor``s (TMA),
+    the next ``tensors`` tensors, the rest Python ints and floats; ``constexprs`` the compile-time
+    ones; both in the kernel's parameter order (constexprs after every runtime one). A descriptor is
+    keyed by its dtype and block shape, all Triton specializes it on (triton 3.6 to 3.9); its
+    cuTensorMap is still encoded at every launch, by Triton's launcher, from its base, shape and
+    strides."""
 
-    def __init__(self, kernel: Any, tensors: int, max_entries: int = 1024) -> None:
+    def __init__(self, kernel: Any, tensors: int, max_entries: int = 1024, descriptors: int = 0) -> None:
         self.kernel = kernel
         self.tensors = tensors
+        self.descriptors = descriptors
         self.max_entries = max_entries
         self._compiled: dict = {}
 
-    def _key(self, device: int, num_warps: int, constexprs: tuple, args: tuple) -> tuple:
-        nt = self.tensors
+    def _key(
+        self, device: int, num_warps: int, constexprs: tuple, args: tuple, num_stages: Optional[int] = None
+    ) -> tuple:
+        nd = self.descriptors
+        nt = nd + self.tensors
+        ints = args[nt:]
         return (
             device,
             num_warps,
+            num_stages,
             constexprs,
-            tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in args[:nt]]),
+            tuple([(d.base.dtype, tuple(d.block_shape)) for d in args[:nd]]),
+            tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in args[nd:nt]]),
             # an int: 32 or 64 bits, == 1, % 16 == 0 (Triton's int specializations); a float: nothing
-            tuple([None if a.__class__ is float else (-_I32 <= a < _I32, a == 1, a % 16 == 0) for a in args[nt:]]),
+            tuple([None if a.__class__ is float else (-_I32 <= a < _I32, a == 1, a % 16 == 0) for a in ints]),
         )
 
-    def __call__(self, grid: tuple, args: tuple, constexprs: tuple, num_warps: int) -> None:
-        first = args[0]
+    def __call__(
+        self, grid: tuple, args: tuple, constexprs: tuple, num_warps: int, num_stages: Optional[int] = None
+    ) -> None:
+        first = args[self.descriptors]  # the first tensor
         if not first.is_cuda:
-            self.kernel[grid](*args, *constexprs, num_warps=num_warps)
+            self._direct(grid, args, constexprs, num_warps, num_stages)
             return
         device = first.get_device()
         if device != torch.cuda.current_device():  # the compiled module belongs to one device's context
             with torch.cuda.device(device):
-                self.kernel[grid](*args, *constexprs, num_warps=num_warps)
+                self._direct(grid, args, constexprs, num_warps, num_stages)
             return
-        key = self._key(device, num_warps, constexprs, args)
+        key = self._key(device, num_warps, constexprs, args, num_stages)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self.kernel[grid](*args, *constexprs, num_warps=num_warps)
+            compiled = self._direct(grid, args, constexprs, num_warps, num_stages)
             if len(self._compiled) < self.max_entries and compiled is not None:
                 self._compiled[key] = compiled
             return
@@ -76,4 +89,11 @@ class Launcher:
             if enter is not None and getattr(enter, "calls", True):  # a profiler is listening
                 metadata = compiled.launch_metadata(grid, stream, *full)
         g = tuple(grid) + (1, 1)
-        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, metadata, enter, exit_, *full)
+        run, fn, packed = compiled.run, compiled.function, compiled.packed_metadata
+        run(g[0], g[1], g[2], stream, fn, packed, metadata, enter, exit_, *full)
+
+    def _direct(self, grid: tuple, args: tuple, constexprs: tuple, num_warps: int, num_stages: Optional[int]):
+        """``kernel[grid](...)``: Triton's own path (first calls, the interpreter, other devices)."""
+        if num_stages is None:
+            return self.kernel[grid](*args, *constexprs, num_warps=num_warps)
+        return self.kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)

@@ -34,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.triton.activations import apply, derivative
+from backends.triton.launch import Launcher
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -317,6 +318,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -417,6 +423,11 @@ def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
 
 # ----------------------------------------------------------------------------- launchers
 
+# compiled kernels reused without kernel[grid]'s ~20 us (triton 3.6) of binding per call; a TMA matmul
+# paid that plus two descriptors' specialization, ~125 us of host time a launch on session 6's host
+_POINTER = Launcher(_matmul_kernel, tensors=7)
+_TMA = Launcher(_matmul_tma_kernel, tensors=5, descriptors=2)
+
 
 def plan(a: Tensor, b: Tensor) -> tuple[Config, str, tuple[Optional[bool], Optional[bool]]]:
     """(config, variant that will run, (A K-major?, B K-major?)) for C = a @ b: the chosen variant
@@ -432,7 +443,7 @@ def plan(a: Tensor, b: Tensor) -> tuple[Config, str, tuple[Optional[bool], Optio
         and a.dtype in (torch.float16, torch.bfloat16)
         and K > 0
         and None not in layouts
-        and (a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) >= (9, 0))
+        and (a.device.type != "cuda" or _capability(a.device) >= (9, 0))
     )
     return (cfg, variant, layouts) if tma_ok else (cfg, "pointer", (None, None))
 
@@ -462,39 +473,42 @@ def launch(
     index_64 = (
         max(_extent(a.shape, sa), _extent(b.shape, sb), _extent(c.shape, sc), _extent(g.shape, sg)) >= 2**31
     )
-    common = dict(
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        EPILOGUE=epilogue,
-        ACTIVATION=activation,
-        HAS_BIAS=bias is not None,
-        SAVE_PRE=pre is not None,
-        HAS_COLSUM=colsum,
-        INPUT_PRECISION=_input_precision(a.dtype, a.device),
-        INDEX_64=index_64,
-        DOT_FP32=a.dtype == torch.bfloat16 and a.device.type != "cuda",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+    # constexprs after BLOCK_K in each kernel's parameter order (Launcher passes them positionally)
+    tail = (
+        epilogue,
+        activation,
+        bias is not None,
+        pre is not None,
+        colsum,
+        _input_precision(a.dtype, a.device),
+        index_64,
+        a.dtype == torch.bfloat16 and a.device.type != "cuda",  # DOT_FP32
     )
     tensors = (c, bias if bias is not None else c, pre if pre is not None else c, g, sums)
     if variant != "pointer":
         a_kmajor, b_kmajor = layouts
         programs = _sm_count(a.device) * cfg.ctas_per_sm
         tiles = _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n)
-        _matmul_tma_kernel[(min(programs, tiles),)](
+        descs = (
             _descriptor(a, a_kmajor, 1, cfg.block_m, cfg.block_k),
             _descriptor(b, b_kmajor, 0, cfg.block_n, cfg.block_k),
-            *tensors, M, N, K, sc[0], sg[0], sg[1],
-            NUM_PROGRAMS=programs, A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor, FLATTEN=variant == "tma_flat",
-            **common,
+        )
+        _TMA(
+            (min(programs, tiles),),
+            (*descs, *tensors, M, N, K, sc[0], sg[0], sg[1]),
+            (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, programs, a_kmajor, b_kmajor,
+             variant == "tma_flat", *tail),
+            cfg.num_warps,
+            cfg.num_stages,
         )  # fmt: skip
     else:
         grid = (_cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n),)
         a_ptr, b_ptr = (a, b) if K else (c, c)  # K == 0: nothing is read; an empty a may have no address
-        _matmul_kernel[grid](
-            a_ptr, b_ptr, *tensors, M, N, K, sa[0], sa[1], sb[0], sb[1], sc[0], sg[0], sg[1],
-            EVEN_K=K % cfg.block_k == 0, **common,
-        )  # fmt: skip
+        _POINTER(
+            grid,
+            (a_ptr, b_ptr, *tensors, M, N, K, sa[0], sa[1], sb[0], sb[1], sc[0], sg[0], sg[1]),
+            (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, K % cfg.block_k == 0, *tail),
+            cfg.num_warps,
+            cfg.num_stages,
+        )
     return sums.sum(0) if colsum else None  # (N,) fixed-order sum: deterministic
