@@ -313,7 +313,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     st = doc["settings"]
     state = "stopped by the budget after" if run.stopped else "finished in"
     print(
-        f"{state} {time.monotonic() - run.start:.0f} s: {st['series_measured']}/{len(work)} series measured, "
+        f"{state} {time.monotonic() - run.start:.0f} s: {len(run.series_log)}/{len(todo)} series measured "
+        f"({st['series_measured']} in the table), "
         f"{st['members_unchecked']} activations sharing a representative's parity; wrote {out}"
         + (" (run again with --resume to extend it)" if run.stopped else "")
     )

@@ -23,6 +23,7 @@ from dispatch.calibrate_plan import (
     held_out_ms,
     hopeless_in,
     rank,
+    servers,
     spread,
     to_bisect,
 )
@@ -191,9 +192,12 @@ class Run:
             }
         )
         for member in s.members:
-            self.add(
-                s, member, features, [{**points[m], "err": {}, "rejected": {}} for m in measured], [], False
-            )
+            serve = servers(s.op, member)  # cuBLASLt's timings of relu are no timings of leaky_relu
+            shared = [
+                {**p, "ms": {n: t for n, t in p["ms"].items() if n in serve}, "err": {}, "rejected": {}}
+                for p in (points[m] for m in measured)
+            ]
+            self.add(s, member, features, shared, [], False)
 
     def add(
         self,

@@ -454,17 +454,42 @@ def test_member_check_drops_a_failing_winner_from_its_segment(monkeypatch):
     assert [rank(p["ms"])[0] for p in points] == ["slow", "eager", "eager"]
 
 
-def test_activation_classes_split_by_the_backends_that_serve_them():
-    """fused_linear's pointwise class would share gelu's timings with relu and gelu_tanh, which
-    cuBLASLt also serves: they form their own class, measured apart."""
-    from dispatch.calibrate_plan import classes
+def test_activation_classes_follow_cost_and_the_backends_that_serve_them():
+    """fused_linear's cheap activations share relu's timings and its transcendental ones gelu_tanh's
+    (their eager gradients differ 2x in cost); each representative is served by cuBLASLt, so its
+    timings cover every member's backends; a member whose backends the representative lacks is
+    measured alone."""
+    from dispatch.calibrate_plan import classes, servers
 
     fl = classes("fused_linear", tuple(calibrate.ACTIVATION_NAMES))
-    assert ("identity",) in fl and ("relu", "gelu_tanh") in fl
-    assert ("gelu", "leaky_relu", "squared_relu", "silu") in fl
-    assert sorted(a for cls in fl for a in cls) == sorted(calibrate.ACTIVATION_NAMES)
+    assert fl == [("identity",), ("relu", "leaky_relu", "squared_relu"), ("gelu_tanh", "gelu", "silu")]
+    for cls in fl:
+        assert all(servers("fused_linear", a) <= servers("fused_linear", cls[0]) for a in cls)
+    assert "cublaslt" in servers("fused_linear", "relu") and "cublaslt" not in servers("fused_linear", "silu")
     assert classes("fused_linear", ("silu", "relu")) == [("relu",), ("silu",)]
+    assert classes("fused_linear", ("gelu", "silu")) == [("gelu", "silu")]
     assert classes("bias_act_dropout", ("gelu", "silu")) == [("gelu", "silu")]
+
+
+def test_a_member_keeps_the_timings_of_the_backends_that_serve_it(user_dir, fake_backends, monkeypatch):
+    """'lt' serves relu only and is fastest: relu's entry picks it, leaky_relu (sharing relu's
+    timings) never sees it."""
+    eager = registry.get("eager")
+    lt = registry.Backend("lt", eager.ops, eager.devices, eager.dtypes, ("relu",), True, "relu only")
+    monkeypatch.setitem(registry._BACKENDS, "lt", lt)
+    fake_backends["lt"] = lambda m: 0.5
+    out = user_dir / "members.json"
+    args = ["--quick", "--dtypes", "float32", "--ops", "fused_linear", "--modes", "inference",
+            "--activations", "relu", "leaky_relu", "--features", "32,16", "--tokens", "1", "1024",
+            "--backends", "flat", "lt", "--out", str(out)]  # fmt: skip
+    assert calibrate.main(args) == 0
+    entries = {e["activation"]: e for e in heuristics.load_table(str(out)).data["entries"]}
+    assert entries["leaky_relu"]["measured_as"] == "relu"
+    assert {s["backend"] for s in entries["relu"]["segments"]} == {"lt"}
+    assert all("lt" in p["ms"] for p in entries["relu"]["points"])
+    member = entries["leaky_relu"]
+    assert all(p["ms"] and "lt" not in p["ms"] for p in member["points"])
+    assert [s["backend"] for s in member["segments"]] == ["eager", "flat"]
 
 
 def test_timing_rounds_interleave_the_backends(monkeypatch):
