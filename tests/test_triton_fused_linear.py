@@ -182,6 +182,21 @@ def test_tma_variants(variant, dtype, device):
     assert_matches(*result, x, weight, bias, "gelu", grad_y)
 
 
+def test_plan_cache_tells_layouts_and_alignment_apart(device):
+    """plan() is cached by shapes, strides, dtype, device and alignment: every operand layout gets the
+    uncached answer, misaligned views included, and forced options bypass the cache."""
+    x = torch.randn(40, 48, device=device).to(torch.bfloat16)
+    w = torch.randn(24, 48, device=device).to(torch.bfloat16)
+    cases = [(x, w.t()), (x.t(), x), (x[:, 1:], w[:, 1:].t()), (x[1:], w.t()), (x.float(), w.float().t())]
+    for _ in range(2):  # the second pass reads the cache
+        for a, b in cases:
+            assert matmul.plan(a, b) == matmul._plan(a, b)
+    assert matmul.plan(x[:, 1:], w[:, 1:].t())[1] == "pointer"
+    with matmul.options(variant="pointer"):
+        assert matmul.plan(x, w.t())[1] == "pointer"
+    assert matmul.plan(x, w.t())[1] == matmul.DEFAULT_VARIANT
+
+
 @pytest.mark.parametrize("config", matmul.CONFIGS_16 + matmul.CONFIGS_32, ids=str)
 def test_device_tiles(config, device):
     """The device's tile configs, forced: masks hold when one tile covers the whole problem."""
