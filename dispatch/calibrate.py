@@ -7,10 +7,12 @@ winners differ, so the table records where the crossovers are rather than a blin
 backend enters a point only after matching the float64 reference there (its error is stored).
 Activations of one class share timings but are each parity-checked, and keep their own keys.
 The table is written atomically as JSON; the run ends with the choice tables and a self-check on
-held-out measured points. ``--budget`` stops measuring gracefully: what was measured is written.
+held-out measured points (a point where the table's pick misses by its first timings is timed again,
+every backend side by side, and the self-check reports both). ``--budget`` stops measuring gracefully:
+what was measured is written.
 
     python -m dispatch.calibrate --quick                      # ~2 min on an H200, < 3 min on 2 CPU cores
-    python -m dispatch.calibrate --out heuristics/tables/nvidia-h200.json   # full (H200: 902 s, 2 runs)
+    python -m dispatch.calibrate --out heuristics/tables/nvidia-h200.json   # full (H200: 489 s)
     python -m dispatch.calibrate --refresh --modes training --out ...      # those families again
 
 On a GPU the calls the run will make are first compiled by worker processes into inductor's and
