@@ -64,6 +64,7 @@ for arg in "$@"; do
     bench_linear) stage bench_linear "$limit" python3 benchmarks/bench_fused_linear.py --out "$R" ;;
     bench_linear_variants) stage bench_linear_variants "$limit" python3 benchmarks/bench_fused_linear.py --quick --variants --out "$R" ;;
     bench_linear_quick) stage bench_linear_quick "$limit" python3 benchmarks/bench_fused_linear.py --quick --out "$R" ;;
+    sweep_linear) stage sweep_linear "$limit" python3 benchmarks/probes/sweep_fused_linear.py --out "$R" ;;
     bench_overhead) stage bench_overhead "$limit" python3 benchmarks/bench_dispatch_overhead.py --out "$R" ;;
     e2e_profile) stage e2e_profile "$limit" python3 benchmarks/probes/probe_e2e_profile.py ;;
     e2e_profile_compile) stage e2e_profile_compile "$limit" python3 benchmarks/probes/probe_e2e_profile.py --configs compile,compile+patched ;;
