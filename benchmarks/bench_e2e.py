@@ -59,6 +59,11 @@ def arguments():
         action="store_true",
         help="patch(bias_in_linear=True): c_proj keeps its bias in the GEMM (issue 7's experiment)",
     )
+    p.add_argument(
+        "--no-linear-dropout",
+        action="store_true",
+        help="patch(linear_dropout=False): c_proj -> dropout stays native (issue 7's experiment)",
+    )
     args = p.parse_args()
     if args.tiny:
         args.layers, args.seq, args.batch, args.vocab = args.layers or 2, 64, 4, 1024
@@ -98,7 +103,7 @@ def markov_corpus(n_seq: int, length: int) -> tuple[torch.Tensor, float]:
     return tokens, float(-(probs * probs.log()).sum())
 
 
-def build(config, state, device, patched: bool, bias_in_linear: bool = False):
+def build(config, state, device, patched: bool, bias_in_linear: bool = False, linear_dropout: bool = True):
     from transformers import GPT2LMHeadModel
 
     import dispatch
@@ -106,7 +111,8 @@ def build(config, state, device, patched: bool, bias_in_linear: bool = False):
     model = GPT2LMHeadModel(config)
     model.load_state_dict(state)
     model.to(device).train()
-    report = dispatch.patch(model, bias_in_linear=bias_in_linear) if patched else None
+    options = dict(bias_in_linear=bias_in_linear, linear_dropout=linear_dropout)
+    report = dispatch.patch(model, **options) if patched else None
     return model, report
 
 
@@ -155,7 +161,9 @@ def run_config(name, config, state, batches, args, device) -> dict:
     model = compiled = None
     try:
         patched = "patched" in name
-        model, report = build(config, state, device, patched, bias_in_linear=args.bias_in_linear)
+        model, report = build(
+            config, state, device, patched, args.bias_in_linear, linear_dropout=not args.no_linear_dropout
+        )
         if report is not None:
             row["patch"] = str(report)
             row["replaced"] = len(report)

@@ -74,6 +74,7 @@ for arg in "$@"; do
     bench_e2e_triton) mkdir -p "$R/e2e_triton"; stage bench_e2e_triton "$limit" python3 benchmarks/bench_e2e.py --backend triton --configs "${E2E_CONFIGS:-compile,compile+patched}" --out "$R/e2e_triton" ;;
     # issue 7's experiment: c_proj keeps its bias in the GEMM (dispatch.patch(bias_in_linear=True))
     bench_e2e_bias) mkdir -p "$R/e2e_bias"; stage bench_e2e_bias "$limit" python3 benchmarks/bench_e2e.py --bias-in-linear --configs "${E2E_CONFIGS:-patched,compile,compile+patched}" --out "$R/e2e_bias" ;;
+    bench_e2e_nolindrop) mkdir -p "$R/e2e_nolindrop"; stage bench_e2e_nolindrop "$limit" python3 benchmarks/bench_e2e.py --no-linear-dropout --configs "${E2E_CONFIGS:-patched,compile,compile+patched}" --out "$R/e2e_nolindrop" ;;
     bench_e2e_quick) stage bench_e2e_quick "$limit" python3 benchmarks/bench_e2e.py --quick --out "$R" ;;
     parity) stage parity "$limit" python3 -m dispatch.parity --quick ;;
     calibrate) stage calibrate "$limit" python3 -m dispatch.calibrate --budget $((limit - 60)) --out "$DISPATCH_HEURISTICS_DIR/nvidia-h200.json" ;;

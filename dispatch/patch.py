@@ -192,8 +192,12 @@ def _rewrite(parent: nn.Module, path: str, run: _Run, bias_in_linear: bool = Fal
     return Replacement(path, type(parent).__name__, " + ".join(before), after)
 
 
-def _fuse(parent: nn.Module, path: str, run: _Run, report: PatchReport, bias_in_linear: bool) -> None:
+def _fuse(
+    parent: nn.Module, path: str, run: _Run, report: PatchReport, bias_in_linear: bool, linear_dropout: bool
+) -> None:
     why = _why_not(parent, run)
+    if why is None and run.act is None and not linear_dropout:
+        why = "Linear -> Dropout without an activation: left alone (linear_dropout=False)"
     if why is None:
         report.replaced.append(_rewrite(parent, path, run, bias_in_linear))
     else:
@@ -216,7 +220,7 @@ def _sequential_runs(seq: nn.Sequential) -> list[_Run]:
     return runs
 
 
-def patch(model: nn.Module, *, bias_in_linear: bool = False) -> PatchReport:
+def patch(model: nn.Module, *, bias_in_linear: bool = False, linear_dropout: bool = True) -> PatchReport:
     """Replaces, in place, the Linear -> activation (-> dropout) runs of ``model``'s MLP blocks with
     ``FusedLinear`` / ``FusedBiasActDropout`` and returns a report (print it) of what changed where.
 
@@ -231,6 +235,11 @@ def patch(model: nn.Module, *, bias_in_linear: bool = False) -> PatchReport:
     moving the bias into the dropout's pass. Under torch.compile the patched graph then matches the
     original's; eager mode computes the bias gradient in the linear's backward instead of in the
     dropout's pass (an experiment of issue 7, benchmarks/NOTES.md).
+
+    ``linear_dropout=False`` leaves such runs (Linear -> Dropout, no activation) alone: their fusion
+    saves one small elementwise pass on the GPU but adds host time (two op dispatches for one
+    native dropout) and, in bf16, keeps a byte per element more than nn.Dropout's mask (another
+    experiment of issue 7).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -239,10 +248,10 @@ def patch(model: nn.Module, *, bias_in_linear: bool = False) -> PatchReport:
         kind = type(module)
         if kind.__name__ in _HF_BLOCKS and kind.__module__.startswith("transformers."):
             for run in _HF_BLOCKS[kind.__name__]:
-                _fuse(module, path, _Run(*run), report, bias_in_linear)
+                _fuse(module, path, _Run(*run), report, bias_in_linear, linear_dropout)
         elif isinstance(module, nn.Sequential):
             for run in _sequential_runs(module):
-                _fuse(module, path, run, report, bias_in_linear)
+                _fuse(module, path, run, report, bias_in_linear, linear_dropout)
     return report
 
 

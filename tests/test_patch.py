@@ -114,6 +114,20 @@ def test_bias_in_linear_keeps_the_bias_in_the_gemm_when_no_activation_sits_betwe
     assert 0.2 < float((y == 0).float().mean()) < 0.4, "dropout did not run at p = 0.3"
 
 
+def test_linear_dropout_false_leaves_runs_without_an_activation_alone():
+    """patch(linear_dropout=False): Linear -> Dropout stays native (reported as skipped, with why);
+    runs with an activation are fused as before. Same function."""
+    original = _mlp(0.3).eval()
+    model = copy.deepcopy(original)
+    report = patch(model, linear_dropout=False)
+    assert type(model[3]) is nn.Linear and type(model[4]) is nn.Dropout
+    assert isinstance(model[0], FusedLinear) and isinstance(model[2], FusedBiasActDropout)
+    assert ("3", "Linear -> Dropout without an activation: left alone (linear_dropout=False)") in report.skipped
+    assert len(report) == 2  # 0-1-2 and 5-6; 7-8's Tanh has no fused form
+    x = torch.randn(5, 7, 16)
+    _assert_same(model(x), original(x))
+
+
 def test_activation_names():
     assert activation_name(nn.GELU()) == "gelu"
     assert activation_name(nn.GELU(approximate="tanh")) == "gelu_tanh"

@@ -94,6 +94,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--configs", default="eager,patched", help="from eager,patched,compile,compile+patched")
+    p.add_argument("--bias-in-linear", action="store_true", help="patch(bias_in_linear=True)")
+    p.add_argument("--no-linear-dropout", action="store_true", help="patch(linear_dropout=False)")
     a = p.parse_args()
     args = argparse.Namespace(
         tiny=a.tiny, layers=2 if a.tiny else a.layers, dropout=0.1, vocab=1024 if a.tiny else 50257,
@@ -113,7 +115,9 @@ def main() -> None:
     ]
     summary, profiles = [], {}
     for name in a.configs.split(","):
-        model, _ = bench_e2e.build(config, state, device, patched="patched" in name)
+        model, _ = bench_e2e.build(
+            config, state, device, "patched" in name, a.bias_in_linear, not a.no_linear_dropout
+        )
         if name.startswith("compile"):  # the warm-up steps in profile() compile it
             model = torch.compile(model)
         wall, busy, kernels = profile(model, batches, a.steps, device)
