@@ -169,7 +169,7 @@ def test_empty_reduction(device):
     assert_matches(*run_api(x, weight, bias, "gelu", grad_y), x, weight, bias, "gelu", grad_y)
 
 
-@pytest.mark.parametrize("variant", ("tma", "tma_flat"))
+@pytest.mark.parametrize("variant", ("tma", "tma_flat", "tma_store"))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_tma_variants(variant, dtype, device):
     x, weight, bias = _inputs((33, 40), 24, dtype, device)  # 16-byte aligned rows: TMA can read every operand
@@ -180,6 +180,35 @@ def test_tma_variants(variant, dtype, device):
         assert matmul.plan(x[:, 1:], weight[:, 1:].t())[1] == "pointer"  # misaligned: falls back
         result = run_api(x, weight, bias, "gelu", grad_y)
     assert_matches(*result, x, weight, bias, "gelu", grad_y)
+
+
+@pytest.mark.parametrize("n", (24, 21), ids=("aligned-rows", "odd-rows"))
+def test_tma_store_writes_through_descriptors_where_rows_align(n, device, monkeypatch):
+    """"tma_store": outputs whose rows are 16-byte aligned go through the descriptor-store launcher
+    (forward with its pre-activation, and every backward product); others keep pointer stores. Both
+    match the reference, edges included (M, N not multiples of the tiles)."""
+    x, weight, bias = _inputs((37, 40), n, torch.bfloat16, device)
+    grad_y = torch.randn(37, n, device=device).to(torch.bfloat16)
+    used = []
+    real = {name: getattr(matmul, name) for name in ("_TMA", "_TMA_STORE")}
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, *args):
+            used.append(self.name)
+            return real[self.name](*args)
+
+    for name in real:
+        monkeypatch.setattr(matmul, name, Spy(name))
+    with matmul.options(variant="tma_store"):
+        result = run_api(x, weight, bias, "gelu", grad_y)
+    assert_matches(*result, x, weight, bias, "gelu", grad_y)
+    if n % 8 == 0:  # forward (y and pre), grad_x, grad_W
+        assert used == ["_TMA_STORE"] * 3
+    else:  # y's rows are 42 bytes: pointer stores; the backward's operands rule TMA out altogether
+        assert used == ["_TMA"]
 
 
 def test_plan_cache_tells_layouts_and_alignment_apart(device):
@@ -286,7 +315,7 @@ def test_tf32_when_allowed():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ("tma", "tma_flat"))
+@pytest.mark.parametrize("variant", ("tma", "tma_flat", "tma_store"))
 def test_tma_variants_gpu(variant):
     x, weight, bias = _inputs((2048, 1024), 4096, torch.bfloat16, "cuda")
     grad_y = torch.randn(2048, 4096, device="cuda").to(torch.bfloat16)

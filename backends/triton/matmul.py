@@ -54,6 +54,20 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _store(DST, tile, off_m, off_n, offs, mask, STORE_TMA: tl.constexpr):
+    """Rounds ``tile`` to DST's dtype and writes it at (off_m, off_n): through a tensor descriptor
+    (TMA; rows and columns past the edges are dropped by the hardware) or masked pointer stores.
+    Returns the rounded tile."""
+    if STORE_TMA:
+        rounded = tile.to(DST.dtype)
+        DST.store([off_m, off_n], rounded)
+    else:
+        rounded = tile.to(DST.dtype.element_ty)
+        tl.store(DST + offs, rounded, mask=mask)
+    return rounded
+
+
+@triton.jit
 def _epilogue(
     acc,  # (BLOCK_M, BLOCK_N) float32 tile of A @ B
     pid_m,  # row tile index
@@ -76,6 +90,7 @@ def _epilogue(
     SAVE_PRE: tl.constexpr,
     HAS_COLSUM: tl.constexpr,
     INDEX_64: tl.constexpr,  # some tensor has >= 2**31 elements: 64-bit offsets
+    STORE_TMA: tl.constexpr,  # C and PRE are tensor descriptors: stores through TMA
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,16 +103,16 @@ def _epilogue(
     c_offs = offs_m[:, None] * stride_cm + offs_n[None, :]
     if EPILOGUE == "forward":
         if SAVE_PRE:
-            tl.store(PRE + c_offs, acc.to(PRE.dtype.element_ty), mask=mask)
-        out = apply(acc, ACTIVATION).to(C.dtype.element_ty)
+            _store(PRE, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, c_offs, mask, STORE_TMA)
+        out = apply(acc, ACTIVATION)
     elif EPILOGUE == "grad":
         g_offs = offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn
         grad_y = tl.load(GRAD_Y + g_offs, mask=mask, other=0.0).to(tl.float32)
-        out = (grad_y * derivative(acc, ACTIVATION)).to(C.dtype.element_ty)
+        out = grad_y * derivative(acc, ACTIVATION)
     else:
         tl.static_assert(EPILOGUE == "plain", "unknown epilogue")
-        out = acc.to(C.dtype.element_ty)
-    tl.store(C + c_offs, out, mask=mask)
+        out = acc
+    out = _store(C, out, pid_m * BLOCK_M, pid_n * BLOCK_N, c_offs, mask, STORE_TMA)
     if HAS_COLSUM:
         # sums of the rounded values, the ones grad_x and grad_W consume; rows past M hold zeros
         tile_sum = tl.sum(tl.where(mask, out.to(tl.float32), 0.0), axis=0)
@@ -185,6 +200,7 @@ def _matmul_kernel(
         SAVE_PRE,
         HAS_COLSUM,
         INDEX_64,
+        False,  # STORE_TMA
     )
 
 
@@ -192,9 +208,9 @@ def _matmul_kernel(
 def _matmul_tma_kernel(
     A_DESC,  # descriptor over A (M, K) when A_KMAJOR, else over A^T (K, M)
     B_DESC,  # descriptor over B^T (N, K) when B_KMAJOR, else over B (K, N)
-    C,  # (M, N) output, row-major
+    C,  # (M, N) output, row-major; a descriptor over it when STORE_TMA
+    PRE,  # (M, N) pre-activation output, row-major; a descriptor over it when STORE_TMA
     BIAS,  # (N,) bias
-    PRE,  # (M, N) pre-activation output, row-major
     GRAD_Y,  # (M, N) upstream gradient, any strides
     COLSUM,  # (cdiv(M, BLOCK_M), N) float32 per-tile column sums
     M,  # rows of C
@@ -219,6 +235,7 @@ def _matmul_tma_kernel(
     INPUT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    STORE_TMA: tl.constexpr,  # the epilogue stores C (and PRE) through descriptors ("tma_store")
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -268,6 +285,7 @@ def _matmul_tma_kernel(
             SAVE_PRE,
             HAS_COLSUM,
             INDEX_64,
+            STORE_TMA,
         )
 
 
@@ -360,7 +378,7 @@ def best_config(M: int, N: int, table: tuple[Config, ...], sms: int) -> Config:
 
 # ----------------------------------------------------------------------------- variants
 
-VARIANTS = ("pointer", "tma", "tma_flat")
+VARIANTS = ("pointer", "tma", "tma_flat", "tma_store")
 # H200 2026-11-30 (bench_fused_linear --variants, bf16, M=8192): tma 1.09 ms vs pointer 1.57 vs
 # tma_flat 1.14 (llama-2-7b up, torch.mm 1.04); tma 1.39 vs 1.95 vs 1.73 (mistral-7b down, mm 1.34)
 DEFAULT_VARIANT = "tma"
@@ -427,6 +445,7 @@ def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
 # paid that plus two descriptors' specialization, ~125 us of host time a launch on session 6's host
 _POINTER = Launcher(_matmul_kernel, tensors=7)
 _TMA = Launcher(_matmul_tma_kernel, tensors=5, descriptors=2)
+_TMA_STORE = Launcher(_matmul_tma_kernel, tensors=3, descriptors=4)  # C and PRE as descriptors too
 
 
 _PLANS: dict = {}  # plan()'s results by what they depend on: a new token count costs one miss
@@ -502,7 +521,7 @@ def launch(
         index_64,
         a.dtype == torch.bfloat16 and a.device.type != "cuda",  # DOT_FP32
     )
-    tensors = (c, bias if bias is not None else c, pre if pre is not None else c, g, sums)
+    bias_or_c, pre_or_c = (bias if bias is not None else c), (pre if pre is not None else c)
     if variant != "pointer":
         a_kmajor, b_kmajor = layouts
         programs = _sm_count(a.device) * cfg.ctas_per_sm
@@ -511,20 +530,29 @@ def launch(
             _descriptor(a, a_kmajor, 1, cfg.block_m, cfg.block_k),
             _descriptor(b, b_kmajor, 0, cfg.block_n, cfg.block_k),
         )
-        _TMA(
+        outputs = (c, pre_or_c)
+        store_tma = variant == "tma_store" and all(
+            t.data_ptr() % 16 == 0 and (sc[0] * t.element_size()) % 16 == 0 for t in outputs
+        )
+        if store_tma:  # row-major (M, N) outputs with 16-byte aligned rows: TMA writes them
+            block = [cfg.block_m, cfg.block_n]
+            c_desc = TensorDescriptor(c, [M, N], [sc[0], 1], block)
+            outputs = (c_desc, c_desc if pre is None else TensorDescriptor(pre, [M, N], [sc[0], 1], block))
+        (_TMA_STORE if store_tma else _TMA)(
             (min(programs, tiles),),
-            (*descs, *tensors, M, N, K, sc[0], sg[0], sg[1]),
+            (*descs, *outputs, bias_or_c, g, sums, M, N, K, sc[0], sg[0], sg[1]),
             (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, programs, a_kmajor, b_kmajor,
-             variant == "tma_flat", *tail),
+             variant == "tma_flat", *tail, store_tma),
             cfg.num_warps,
             cfg.num_stages,
         )  # fmt: skip
     else:
         grid = (_cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n),)
         a_ptr, b_ptr = (a, b) if K else (c, c)  # K == 0: nothing is read; an empty a may have no address
+        strides = (sa[0], sa[1], sb[0], sb[1], sc[0], sg[0], sg[1])
         _POINTER(
             grid,
-            (a_ptr, b_ptr, *tensors, M, N, K, sa[0], sa[1], sb[0], sb[1], sc[0], sg[0], sg[1]),
+            (a_ptr, b_ptr, c, bias_or_c, pre_or_c, g, sums, M, N, K, *strides),
             (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, K % cfg.block_k == 0, *tail),
             cfg.num_warps,
             cfg.num_stages,

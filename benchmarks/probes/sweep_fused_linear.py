@@ -8,7 +8,9 @@ next tile's main loop only partly. Candidates: a deeper pipeline, the transposed
 K steps, other group sizes, and one warpgroup. Each config's forward (bias + gelu_tanh, without and
 with the pre-activation write) and a plain product (the backward's) are checked against the shipped
 config's output within the bf16 tolerance, then timed with do_bench next to torch.mm, F.linear +
-gelu_tanh and the cuBLASLt epilogue.
+gelu_tanh and the cuBLASLt epilogue. The first configs also run with the epilogue storing through
+tensor descriptors (variant "tma_store"): registers -> shared memory -> one TMA bulk store a tile,
+instead of masked pointer stores; Triton's persistent-matmul tutorial stores this way on Hopper.
 
     PYTHONPATH=. python3 benchmarks/probes/sweep_fused_linear.py [--quick]
 """
@@ -45,6 +47,10 @@ CANDIDATES = (
     C(128, 128, 128, num_warps=8, num_stages=3),
     C(64, 256, 64, num_warps=4, num_stages=4),
 )
+# the epilogue through TMA stores ("tma_store", session 7, interpreter-tested only) with these
+# candidates: its staging tile takes BLOCK_M x BLOCK_N x 2 bytes more shared memory, which puts the
+# 4-stage 128x256 and 256x128 configs over the H200's 227 KiB (benchmarks/probes/aot_matmul.py)
+STORE_CONFIGS = (0, 2, 6)
 DEVICE = "cuda"
 SHAPES = (  # (label, M, N, K): N = out_features, K = in_features
     ("llama-2-7b.up", 8192, 11008, 4096),
@@ -85,10 +91,14 @@ def main() -> None:
         with matmul.options(variant="tma", config=CANDIDATES[0]):
             ref_y, ref_pre = triton_op.forward(x, w, b, act)
             ref_gx = triton_op.launch_mm(gy, w)
-        for cfg in CANDIDATES[: 4 if args.quick else None]:
-            rec = {"shape": label, "M": M, "N": N, "K": K, "config": str(cfg), "group_m": cfg.group_m}
+        candidates = CANDIDATES[: 4 if args.quick else None]
+        runs = [("tma", cfg) for cfg in candidates]
+        runs += [("tma_store", candidates[i]) for i in STORE_CONFIGS if i < len(candidates)]
+        for variant, cfg in runs:
+            rec = {"shape": label, "M": M, "N": N, "K": K, "variant": variant, "config": str(cfg)}
+            rec["group_m"] = cfg.group_m
             try:
-                with matmul.options(variant="tma", config=cfg):
+                with matmul.options(variant=variant, config=cfg):
                     y, pre = triton_op.forward(x, w, b, act)
                     check(f"y {cfg}", y, ref_y)
                     check(f"pre {cfg}", pre, ref_pre)
@@ -101,14 +111,14 @@ def main() -> None:
             records.append(rec)
             fwd = rec.get("fwd_ms")
             rows.append(
-                [label, f"{cfg} g{cfg.group_m}", fwd, fwd and tflop / fwd * 1e3,
+                [label, variant, f"{cfg} g{cfg.group_m}", fwd, fwd and tflop / fwd * 1e3,
                  fwd and base["torch.mm"] / fwd, fwd and base.get("cublaslt", float("nan")) / fwd,
                  rec.get("fwd_save_ms"), rec.get("grad_x_ms"), rec.get("error", "")]
             )  # fmt: skip
         records.append({"shape": label, "M": M, "N": N, "K": K, "baselines_ms": base})
         print(f"{label} M={M}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in base.items()), flush=True)
-    headers = ["shape", "config", "fwd ms", "TFLOP/s", "x mm", "x cublaslt", "fwd+pre ms", "grad_x ms"]
-    headers.append("error")
+    headers = ["shape", "variant", "config", "fwd ms", "TFLOP/s", "x mm", "x cublaslt", "fwd+pre ms"]
+    headers += ["grad_x ms", "error"]
     print(tabulate(rows, headers=headers, floatfmt=".3f"))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
