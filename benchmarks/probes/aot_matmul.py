@@ -1,5 +1,6 @@
 """Compiles fused_linear's matmul kernels for sm_90 without a GPU: does each (config, epilogue,
-variant) compile with the installed Triton, and does its shared memory fit an H200's 227 KiB a block?
+variant) compile with the installed Triton, does its shared memory fit an H200's 227 KiB a block, and
+how many registers and bytes of stack (spills) does a thread use (cuobjdump, bundled with Triton)?
 
 Useful before spending device time on a sweep (a config over the limit fails at launch there). Run it
 with the device's Triton version on the path to check that version, e.g. an unpacked triton 3.6 wheel:
@@ -10,7 +11,10 @@ with the device's Triton version on the path to check that version, e.g. an unpa
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import triton
 from tabulate import tabulate
@@ -26,8 +30,24 @@ SMEM_LIMIT = 232448  # bytes of shared memory one block may use on the H100/H200
 INTS = ("M", "N", "K", "stride_cm", "stride_gm", "stride_gn")
 
 
-def compile_tma(cfg: matmul.Config, epilogue: str, save_pre: bool, store_tma: bool) -> int:
-    """Shared memory in bytes of the TMA kernel compiled for sm_90 (bf16, gelu_tanh, K-major operands)."""
+def _registers(cubin: bytes) -> str:
+    """"REG:n STACK:m" of a cubin by the cuobjdump that ships with Triton, or "" without one."""
+    import triton.backends.nvidia as nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return f"{found[1]} regs, {found[2]} B stack" if found else ""
+
+
+def compile_tma(cfg: matmul.Config, epilogue: str, save_pre: bool, store_tma: bool) -> tuple[int, str]:
+    """(shared memory in bytes, registers and stack a thread) of the TMA kernel compiled for sm_90
+    (bf16, gelu_tanh, K-major operands)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     out = f"tensordesc<bf16[{bm}, {bn}]>" if store_tma else "*bf16"
     runtime = {n: "i32" for n in INTS}
@@ -44,7 +64,8 @@ def compile_tma(cfg: matmul.Config, epilogue: str, save_pre: bool, store_tma: bo
     fn = matmul._matmul_tma_kernel
     signature = {n: runtime.get(n, "constexpr") for n in fn.arg_names}
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    return triton.compile(ASTSource(fn, signature, constexprs), target=SM90, options=options).metadata.shared
+    kernel = triton.compile(ASTSource(fn, signature, constexprs), target=SM90, options=options)
+    return kernel.metadata.shared, _registers(kernel.asm["cubin"])
 
 
 def main() -> None:
@@ -56,14 +77,14 @@ def main() -> None:
         for epilogue, save_pre in (("forward", True), ("forward", False), ("plain", False), ("grad", False)):
             for store_tma in (False, True):
                 try:
-                    smem = compile_tma(cfg, epilogue, save_pre, store_tma)
+                    smem, regs = compile_tma(cfg, epilogue, save_pre, store_tma)
                     verdict = "fits" if smem <= SMEM_LIMIT else "OVER the H200's limit"
                 except Exception as exc:  # a compile error: reported, the sweep goes on
-                    smem, verdict = None, f"{type(exc).__name__}: {str(exc)[:80]}"
+                    smem, regs, verdict = None, "", f"{type(exc).__name__}: {str(exc)[:80]}"
                 label = epilogue + ("+pre" if save_pre else "")
-                rows.append([f"{cfg} g{cfg.group_m}", label, store_tma, smem, verdict])
+                rows.append([f"{cfg} g{cfg.group_m}", label, store_tma, smem, regs, verdict])
     print(f"triton {triton.__version__}, sm_90")
-    print(tabulate(rows, headers=["config", "epilogue", "tma store", "shared bytes", ""]))
+    print(tabulate(rows, headers=["config", "epilogue", "tma store", "shared bytes", "a thread", ""]))
 
 
 if __name__ == "__main__":
