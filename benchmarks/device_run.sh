@@ -32,6 +32,7 @@ for arg in "$@"; do
     probe_hot) stage probe_hot "$limit" python3 benchmarks/probes/probe_hot_path.py ;;
     probe_generator) stage probe_generator "$limit" python3 benchmarks/probes/probe_generator_calls.py ;;
     probe_linear_host) stage probe_linear_host "$limit" python3 benchmarks/probes/probe_linear_host.py ;;
+    probe_fp16_rows) stage probe_fp16_rows "$limit" python3 benchmarks/probes/probe_fp16_rows.py ;;
     probe_sync) stage probe_sync "$limit" python3 benchmarks/probes/probe_rng_sync.py ;;
     probe_host) stage probe_host "$limit" python3 benchmarks/probes/probe_host_overhead.py ;;
     env) stage env "$limit" bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m dispatch.info' ;;

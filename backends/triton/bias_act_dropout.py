@@ -42,6 +42,9 @@ HALF_SETTINGS = {
 # bf16 forward with dropout, rows kernel (benchmarks/probes/fwd_variants.py, H200 2026-11-30): 16
 # elements a thread, rows up to 2048 wide, 8 rows a program: 1.12-1.14x a copy vs the tile's 1.31-1.33x
 ROWS_KERNEL_ROWS, ROWS_KERNEL_MAX_N, ROWS_KERNEL_PER_THREAD = 8, 2048, 16
+# float16 can take the rows kernel too (each half widens with a conversion instead of a bit move):
+# not yet timed on the H200 (benchmarks/probes/fwd_variants.py), so not yet on by default
+ROWS_KERNEL_DTYPES = (torch.bfloat16,)
 DECODE_ROWS = 64  # M up to this: one tile holds every row (one launch forward, one backward)
 DECODE_TILE = 4096
 # Backward row-programs loop over rows summing the bias gradient: at most MAX_ROWS_PER_PROGRAM rows
@@ -160,11 +163,11 @@ def _dropout_args(x: Tensor, p: float, rng: Optional[Rng]) -> tuple[tuple, bool]
 
 
 def _rows_kernel_fits(x: Tensor, bias: Optional[Tensor], rng: Optional[Rng], m: int, n: int) -> bool:
-    """bf16 with dropout past decode sizes, rows of whole 8-element groups readable as aligned 32-bit
-    words (the rows kernel widens bf16 by bit shifts: not for float16)."""
+    """16-bit (``ROWS_KERNEL_DTYPES``) with dropout past decode sizes, rows of whole 8-element groups
+    readable as aligned 32-bit words."""
     return (
         rng is not None
-        and x.dtype == torch.bfloat16
+        and x.dtype in ROWS_KERNEL_DTYPES
         and m > DECODE_ROWS
         and n % 8 == 0
         and x.stride(1) == 1

@@ -1,5 +1,5 @@
-"""The bf16 forward of bias_act_dropout with dropout past decode sizes: one row per loop step, x and
-the bias read as 32-bit words (two bf16 elements each). Same math and mask as ``_forward_kernel`` in
+"""The 16-bit forward of bias_act_dropout with dropout past decode sizes: one row per loop step, x
+and the bias read as 32-bit words (two elements each). Same math and mask as ``_forward_kernel`` in
 ``bias_act_dropout_kernels.py``, bit for bit; fewer instructions an element (see the kernel's docstring).
 """
 
@@ -32,6 +32,21 @@ def _row_keep(seed, row_base, t, threshold, BN8: tl.constexpr):
     odd = tl.where(k < 2, odd << 16, odd)
     t16 = (threshold << 16).to(tl.uint32, bitcast=True)
     return even >= t16, odd >= t16
+
+
+@triton.jit
+def _widen(words, DTYPE: tl.constexpr):
+    """(even, odd) float32 elements of 32-bit words holding two 16-bit ones (little-endian: the even
+    element is the low half). bfloat16 widens by bit moves alone (one shift, one AND); float16
+    needs a conversion each."""
+    if DTYPE == tl.bfloat16:
+        even = (words << 16).to(tl.float32, bitcast=True)
+        odd = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        tl.static_assert(DTYPE == tl.float16, "the rows kernel reads bfloat16 or float16")
+        even = (words & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        odd = (words >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return even, odd
 
 
 @triton.jit(do_not_specialize=["M", "threshold", "seed_lo", "seed_hi", "offset_lo", "offset_hi"])
@@ -71,8 +86,7 @@ def _forward_rows_kernel(
             bias = tl.load(Bw + words)
         else:
             bias = tl.load(Bw + words, mask=word_mask, other=0)
-        b_even = (bias << 16).to(tl.float32, bitcast=True)
-        b_odd = (bias & 0xFFFF0000).to(tl.float32, bitcast=True)
+        b_even, b_odd = _widen(bias, X.dtype.element_ty)
     Xw = X.to(tl.pointer_type(tl.uint32))
     seed, offset = _rng(RNG, seed_lo, seed_hi, offset_lo, offset_hi, RNG_ON_DEVICE)
     t = tl.arange(0, BLOCK_N // 8).to(tl.uint32)
@@ -84,8 +98,7 @@ def _forward_rows_kernel(
             x = tl.load(x_ptrs)
         else:
             x = tl.load(x_ptrs, mask=word_mask & ((words * 0 + row) < M), other=0)
-        z_even = (x << 16).to(tl.float32, bitcast=True)
-        z_odd = (x & 0xFFFF0000).to(tl.float32, bitcast=True)
+        z_even, z_odd = _widen(x, X.dtype.element_ty)
         if HAS_BIAS:
             z_even += b_even
             z_odd += b_odd
