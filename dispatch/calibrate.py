@@ -260,9 +260,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # the held-out points whose pick missed by their first timings, timed again (the self-check
         # reports both): within what is left of the budget, at least 15 s and at most 45 s (10 quick)
         left = plan.budget_s - (time.monotonic() - run.start)
-        table = {"schema_version": heuristics.SCHEMA_VERSION, "device": info}
-        table.update(entries=list(run.entries.values()), held_out_sizes=run.held_sizes)
-        confirmed = calibrate_checks.confirm(run, table, min(max(left, 15.0), 10.0 if plan.quick else 45.0))
+        so_far = {  # what the self-check reads of the table (picks and held-out points)
+            "schema_version": heuristics.SCHEMA_VERSION,
+            "device": info,
+            "entries": list(run.entries.values()),
+            "held_out_sizes": run.held_sizes,
+        }
+        confirmed = calibrate_checks.confirm(run, so_far, min(max(left, 15.0), 10.0 if plan.quick else 45.0))
     this_run = time.monotonic() - run.start
     runs = _runs(
         previous, args, plan, this_run, sorted({f"{op} {str(dt)[6:]} {mode}" for op, dt, mode, _ in families})
