@@ -4,12 +4,15 @@ For each op, dtype, mode (inference: forward without grad; training: forward + b
 on/off and activation class, and for each real-model feature size, it times every backend that can
 serve the call at a coarse grid of token counts M, then bisects between neighbouring points whose
 winners differ, so the table records where the crossovers are rather than a blind dense grid. A
-backend enters a point only after matching the float64 reference there (its error is stored).
+backend enters a table's cell only after matching the float64 reference at the points that put
+it there (its error is stored; with worker processes a point is timed first and checked after,
+its winner at a fit point, every backend at a held-out one).
 Activations of one class share timings but are each parity-checked, and keep their own keys.
 The table is written atomically as JSON; the run ends with the choice tables and a self-check on
 held-out measured points (a point where the table's pick misses by its first timings is timed again,
-every backend side by side, and the self-check reports both). ``--budget`` stops measuring gracefully:
-what was measured is written.
+every backend side by side, and the self-check reports both). A measured point whose winner beats
+eager by less than 10% on a short (host-bound) call is timed again the same way before the fit keeps
+it. ``--budget`` stops measuring gracefully: what was measured is written.
 
     python -m dispatch.calibrate --quick                      # ~2 min on an H200, < 3 min on 2 CPU cores
     python -m dispatch.calibrate --out heuristics/tables/nvidia-h200.json   # full (H200: 489 s)
@@ -229,12 +232,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bar.reset(total=len(todo))
         bar.unit = "series"
         # a full run keeps 20% of its budget for what follows the series: the unmeasured sizes (to
-        # 85%), the deferred parity checks (to 95%) and the member checks (to 100%). Session 7's full
-        # run (489 s, 126 series) spent 380 s compiling ahead and on the series, then 18 s on the
-        # unmeasured sizes, 54 s on the parity checks and 34 s on the member checks: 20% of the default
-        # 540 s budget; keeping 32%, as before, stopped the series early under a 525 s budget. A resumed
-        # run whose unmeasured sizes are done keeps 15%. A quick run with workers keeps 30% for its
-        # deferred checks
+        # 85%), the narrow wins timed again (to 88%), the deferred parity checks (to 95%) and the
+        # member checks (to 100%). Session 7's full run (489 s, 126 series) spent 380 s compiling
+        # ahead and on the series, then 18 s on the unmeasured sizes, 54 s on the parity checks and
+        # 34 s on the member checks; session 8's (budget 535 s) 422 s, then 16, 64 and 31 s, when the
+        # budget cut the member checks short (19 of 346 segments). The parity checks now check a fit
+        # point's winner only (check_deferred): ~228 of those 404 worker seconds, by session 8's
+        # table. A resumed run whose unmeasured sizes are done keeps 15%. A quick run with workers
+        # keeps 30% for its deferred checks
         after = 0.2 if unheld else 0.15
         run.reserve = (0.3 if run.workers else 0.0) if plan.quick else after
         for s, features in todo:
@@ -247,6 +252,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bar.reset(total=len(unheld) * plan.held_out_sizes)
             bar.unit = "point"
             calibrate_checks.held_out_at_other_sizes(run, unheld)
+        # the narrow wins over eager, timed again before the checks and the fit: to 88% of the budget,
+        # at least 10 s, at most 30 s (10 quick); session 8's table had 41 such points, and its resumed
+        # run timed 22 of them in 30 s, narrowest first (6 changed winner)
+        left = plan.budget_s * 0.88 - (time.monotonic() - run.start)
+        narrow = calibrate_checks.confirm_narrow(run, min(max(left, 10.0), 10.0 if plan.quick else 30.0))
         member_checks = None
         run.reserve = 0.0
         # even past the budget: unchecked timings never reach a table
@@ -300,6 +310,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "parallel_checks": checked,
             "parallel_member_checks": member_checks,
             "timed_again": confirmed,
+            "narrow_wins_timed_again": narrow,
             "series_seconds": run.series_log,
             "seconds_by_backend": {
                 n: {k: round(v, 1) for k, v in c.items()} for n, c in sorted(run.cost.items())

@@ -107,6 +107,12 @@ def format_costs(settings: dict) -> str:
             f"member checks {c['seconds']:.0f} s ({c['points']} segments in {c['workers']} processes"
             f"{_by_backend(c)})"
         )
+    c = settings.get("narrow_wins_timed_again")
+    if c:
+        parts.append(
+            f"timing again {c['timed_again']} of {c['points']} narrow wins over eager {c['seconds']:.0f} s "
+            f"({c['winner_changed']} changed winner)"
+        )
     c = settings.get("timed_again")
     if c:
         parts.append(f"timing again {c['timed_again']} of {c['points']} missed picks {c['seconds']:.0f} s")

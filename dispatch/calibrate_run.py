@@ -30,6 +30,15 @@ from dispatch.calibrate_plan import (
 from dispatch.registry import backends
 
 
+def member_copy(point: dict, serve: frozenset[str]) -> dict:
+    """A representative's point as a member's copy starts: the timings of the backends that serve the
+    member (cuBLASLt's timings of relu are no timings of leaky_relu), without the representative's
+    list of backends whose parity is still to be checked (a member is checked on its own)."""
+    copy = {k: v for k, v in point.items() if k != "unchecked"}
+    copy["ms"] = {n: t for n, t in point["ms"].items() if n in serve}
+    return copy
+
+
 def _key(e: dict) -> tuple:
     return (e["op"], e["dtype"], e["activation"], e["mode"], e["dropout"], tuple(e["features"]))
 
@@ -192,11 +201,8 @@ class Run:
             }
         )
         for member in s.members:
-            serve = servers(s.op, member)  # cuBLASLt's timings of relu are no timings of leaky_relu
-            shared = [
-                {**p, "ms": {n: t for n, t in p["ms"].items() if n in serve}, "err": {}, "rejected": {}}
-                for p in (points[m] for m in measured)
-            ]
+            serve = servers(s.op, member)
+            shared = [{**member_copy(points[m], serve), "err": {}, "rejected": {}} for m in measured]
             self.add(s, member, features, shared, [], False)
 
     def add(

@@ -13,8 +13,9 @@ Two kinds of job, both off the measuring process's clock:
   backend, the comparison) took 307 of the 470 s that the measuring process spent on 180 series, one
   point after another. Timings need the GPU to themselves; checks do not, so with workers the
   measuring process only times, and the points are checked here afterwards, before any table is fit
-  (dispatch.calibrate_run.Run.check_deferred): a backend still enters a cell only after it matched
-  the reference at that shape.
+  (dispatch.calibrate_checks.check_deferred): a backend still enters a cell only after it matched
+  the reference at that shape. A fit point checks its winner (then the next best, if that fails);
+  a held-out point every backend.
 
 Jobs are grouped by kind of call (one series' calls stay in one worker, so no two workers compile the
 same graph) and dealt to workers largest group first.
