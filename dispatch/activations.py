@@ -8,7 +8,7 @@ Half-precision inputs are computed in float32 by the callers and rounded once to
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -24,6 +24,12 @@ class Activation(NamedTuple):
     name: str
     forward: Callable[[Tensor], Tensor]
     derivative: Callable[[Tensor], Tensor]  # d act / d z, evaluated at the pre-activation z
+    # PyTorch's own kernels, where it has them: ``forward`` is one then (``native``), and ``backward``
+    # (grad_y, z) -> grad_y * act'(z) is its backward kernel. Each is one pass over the tensor whose
+    # math runs in float32 for half inputs, rounded once (PyTorch's opmath), so callers need no
+    # float32 copies around them; None: compose ``derivative`` in float32 instead.
+    native: bool = False
+    backward: Optional[Callable[[Tensor, Tensor], Tensor]] = None
 
 
 def _relu_grad(z: Tensor) -> Tensor:
@@ -60,24 +66,36 @@ def _silu_grad(z: Tensor) -> Tensor:
     return s * (1.0 + z * (1.0 - s))
 
 
+_aten = torch.ops.aten
+
 ACTIVATIONS: dict[str, Activation] = {
     a.name: a
     for a in (
-        Activation("identity", lambda z: z, torch.ones_like),
-        Activation("relu", torch.relu, _relu_grad),
+        Activation("identity", lambda z: z, torch.ones_like, True, lambda g, z: g),
+        Activation("relu", torch.relu, _relu_grad, True, lambda g, z: _aten.threshold_backward(g, z, 0)),
         Activation(
             "leaky_relu",
             lambda z: torch.nn.functional.leaky_relu(z, LEAKY_RELU_SLOPE),
             _leaky_relu_grad,
+            True,
+            lambda g, z: _aten.leaky_relu_backward(g, z, LEAKY_RELU_SLOPE, False),
         ),
-        Activation("gelu", torch.nn.functional.gelu, _gelu_grad),
+        Activation(
+            "gelu",
+            torch.nn.functional.gelu,
+            _gelu_grad,
+            True,
+            lambda g, z: _aten.gelu_backward(g, z, approximate="none"),
+        ),
         Activation(
             "gelu_tanh",
             lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
             _gelu_tanh_grad,
+            True,
+            lambda g, z: _aten.gelu_backward(g, z, approximate="tanh"),
         ),
         Activation("squared_relu", _squared_relu, lambda z: 2.0 * torch.relu(z)),
-        Activation("silu", torch.nn.functional.silu, _silu_grad),
+        Activation("silu", torch.nn.functional.silu, _silu_grad, True, _aten.silu_backward),
     )
 }
 

@@ -28,6 +28,8 @@ MODES = ("inference", "training")
 # inductor backends run the activation and its gradient as separate elementwise passes, which cost
 # 2x more for gelu_tanh than for relu in bf16 training at GPT-2 sizes (0.81 vs 1.75 ms at 8192 x 3072 x
 # 768, session 7; gelu_tanh used to share relu's timings and the table sent GPT-2's c_fc to eager).
+# (Eager's share of that gap was its float32 composite of gelu_tanh's gradient; since session 8 it
+# runs PyTorch's own kernels, one pass each way, not yet measured against the classes.)
 # The first name of a class is served by every backend that serves a member (cuBLASLt's epilogues
 # cover relu and gelu_tanh only), so every member's backends are timed; a member keeps the timings of
 # the backends that serve it. --probe checks the classes: every activation is timed at one shape and a
