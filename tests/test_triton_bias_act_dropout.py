@@ -357,9 +357,8 @@ def test_gelu_and_its_derivative_are_float32_accurate(device):
 @pytest.mark.parametrize("shape, activation, host", [((72, 16), "gelu", True), ((130, 40), "relu", False)], ids=str)
 def test_rows_kernel_bit_identical_to_the_tile_kernel(shape, activation, host, dtype, device, monkeypatch):
     """16-bit with dropout past decode sizes takes the rows kernel (32-bit word loads, scalar
-    counters; float16 only when enabled); its y equals the tile kernel's bit for bit, with and
-    without bias, across a counter carry."""
-    monkeypatch.setattr(triton_op, "ROWS_KERNEL_DTYPES", (torch.bfloat16, torch.float16))
+    counters); its y equals the tile kernel's bit for bit, with and without bias, across a counter
+    carry."""
     x, bias, _ = _inputs(shape, dtype, device)
     rng = dropout_rng.HostRng(2**64 - 5, 2**32 - 100) if host else _rng(device)
     for b in (bias, None):
@@ -371,5 +370,5 @@ def test_rows_kernel_bit_identical_to_the_tile_kernel(shape, activation, host, d
         assert torch.equal(y.view(torch.int16), tiled.view(torch.int16))
     assert not triton_op._rows_kernel_fits(x[:, 1:9], bias[1:9], rng, shape[0], 8)  # 2-byte aligned
     assert not triton_op._rows_kernel_fits(x.float(), bias.float(), rng, *shape)  # 32-bit elements
-    monkeypatch.setattr(triton_op, "ROWS_KERNEL_DTYPES", (torch.bfloat16,))  # the default
+    monkeypatch.setattr(triton_op, "ROWS_KERNEL_DTYPES", (torch.bfloat16,))  # a dtype can be left out
     assert triton_op._rows_kernel_fits(x, bias, rng, *shape) == (dtype == torch.bfloat16)

@@ -42,9 +42,10 @@ HALF_SETTINGS = {
 # bf16 forward with dropout, rows kernel (benchmarks/probes/fwd_variants.py, H200 2026-11-30): 16
 # elements a thread, rows up to 2048 wide, 8 rows a program: 1.12-1.14x a copy vs the tile's 1.31-1.33x
 ROWS_KERNEL_ROWS, ROWS_KERNEL_MAX_N, ROWS_KERNEL_PER_THREAD = 8, 2048, 16
-# float16 can take the rows kernel too (each half widens with a conversion instead of a bit move):
-# not yet timed on the H200 (benchmarks/probes/fwd_variants.py), so not yet on by default
-ROWS_KERNEL_DTYPES = (torch.bfloat16,)
+# float16 takes it too (each half widens with a conversion instead of a bit move): with gelu and p =
+# 0.1, 1.147x / 1.172x a copy at 65536x4096 / 16384x14336 against the tile kernel's 1.264x / 1.287x,
+# y bit for bit the tile's (benchmarks/probes/probe_fp16_rows.py, H200, session 8)
+ROWS_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 DECODE_ROWS = 64  # M up to this: one tile holds every row (one launch forward, one backward)
 DECODE_TILE = 4096
 # Backward row-programs loop over rows summing the bias gradient: at most MAX_ROWS_PER_PROGRAM rows

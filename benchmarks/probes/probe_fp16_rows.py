@@ -29,7 +29,7 @@ def ms(fn) -> float:
 
 
 def main() -> None:
-    rows = []
+    rows, default = [], op.ROWS_KERNEL_DTYPES
     for m, n in SHAPES:
         for dtype in (torch.float16, torch.bfloat16):
             for activation in ("gelu", "relu"):
@@ -49,7 +49,7 @@ def main() -> None:
                     [f"{m}x{n}", str(dtype)[6:], activation, same, copy * 1e3, times["tile"] * 1e3,
                      times["rows"] * 1e3, times["tile"] / copy, times["rows"] / copy]
                 )  # fmt: skip
-    op.ROWS_KERNEL_DTYPES = (torch.bfloat16,)
+    op.ROWS_KERNEL_DTYPES = default
     headers = ["shape", "dtype", "act", "bit-equal", "copy us", "tile us", "rows us", "tile x copy"]
     headers.append("rows x copy")
     print(tabulate(rows, headers=headers, floatfmt=".3f"))
