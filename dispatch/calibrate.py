@@ -15,7 +15,7 @@ eager by less than 10% on a short (host-bound) call is timed again the same way 
 it. ``--budget`` stops measuring gracefully: what was measured is written.
 
     python -m dispatch.calibrate --quick                      # ~2 min on an H200, < 3 min on 2 CPU cores
-    python -m dispatch.calibrate --out heuristics/tables/nvidia-h200.json   # full (H200: 489 s)
+    python -m dispatch.calibrate --out heuristics/tables/nvidia-h200.json   # full (H200: 489-541 s)
     python -m dispatch.calibrate --refresh --modes training --out ...      # those families again
 
 On a GPU the calls the run will make are first compiled by worker processes into inductor's and
