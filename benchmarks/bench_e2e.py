@@ -55,9 +55,9 @@ def arguments():
     p.add_argument("--backend", help="one dispatch backend for all fused ops (default: the dispatcher picks)")
     p.add_argument("--tiny", action="store_true", help="2 layers, 64 wide, seq 64, batch 4: a CPU smoke run")
     p.add_argument(
-        "--bias-in-linear",
+        "--bias-in-dropout",
         action="store_true",
-        help="patch(bias_in_linear=True): c_proj keeps its bias in the GEMM (issue 7's experiment)",
+        help="patch(bias_in_linear=False): c_proj's bias moves into the dropout's pass (issue 7)",
     )
     p.add_argument(
         "--no-linear-dropout",
@@ -103,7 +103,7 @@ def markov_corpus(n_seq: int, length: int) -> tuple[torch.Tensor, float]:
     return tokens, float(-(probs * probs.log()).sum())
 
 
-def build(config, state, device, patched: bool, bias_in_linear: bool = False, linear_dropout: bool = True):
+def build(config, state, device, patched: bool, bias_in_linear: bool = True, linear_dropout: bool = True):
     from transformers import GPT2LMHeadModel
 
     import dispatch
@@ -161,9 +161,8 @@ def run_config(name, config, state, batches, args, device) -> dict:
     model = compiled = None
     try:
         patched = "patched" in name
-        model, report = build(
-            config, state, device, patched, args.bias_in_linear, linear_dropout=not args.no_linear_dropout
-        )
+        options = dict(bias_in_linear=not args.bias_in_dropout, linear_dropout=not args.no_linear_dropout)
+        model, report = build(config, state, device, patched, **options)
         if report is not None:
             row["patch"] = str(report)
             row["replaced"] = len(report)
@@ -213,11 +212,13 @@ def decisions(config, args, device) -> dict:
     kw = {"device": device, "dtype": torch.bfloat16, "requires_grad": True}
     x, w1, b1 = torch.randn(m, d, **kw), torch.randn(h, d, **kw), torch.randn(h, **kw)
     w2, b2, y = torch.randn(d, h, **kw), torch.randn(d, **kw), torch.randn(m, d, **kw)
+    # where patch puts c_proj's bias: in the GEMM (the default), or in the dropout's pass
+    proj_bias, drop_bias = (None, b2) if args.bias_in_dropout else (b2, None)
     with dispatch_backend(args.backend):
         calls = {
             "c_fc": explain("fused_linear", x, w1, b1, "gelu_tanh"),
-            "c_proj": explain("fused_linear", torch.randn(m, h, **kw), w2, None, "identity"),
-            "dropout": explain("fused_bias_act_dropout", y, b2, "identity", args.dropout, True),
+            "c_proj": explain("fused_linear", torch.randn(m, h, **kw), w2, proj_bias, "identity"),
+            "dropout": explain("fused_bias_act_dropout", y, drop_bias, "identity", args.dropout, True),
         }
     return {k: str(v) for k, v in calls.items()}
 

@@ -73,8 +73,9 @@ for arg in "$@"; do
     # every fused op forced onto triton: under compile the ops are then opaque triton kernels, not the
     # plain math that inductor fuses (issue 7: does a triton c_fc beat inductor's own under compile?)
     bench_e2e_triton) mkdir -p "$R/e2e_triton"; stage bench_e2e_triton "$limit" python3 benchmarks/bench_e2e.py --backend triton --configs "${E2E_CONFIGS:-compile,compile+patched}" --out "$R/e2e_triton" ;;
-    # issue 7's experiment: c_proj keeps its bias in the GEMM (dispatch.patch(bias_in_linear=True))
-    bench_e2e_bias) mkdir -p "$R/e2e_bias"; stage bench_e2e_bias "$limit" python3 benchmarks/bench_e2e.py --bias-in-linear --configs "${E2E_CONFIGS:-patched,compile,compile+patched}" --out "$R/e2e_bias" ;;
+    # issue 7's experiment: c_proj's bias in the dropout's pass (dispatch.patch(bias_in_linear=False),
+    # the default until session 8)
+    bench_e2e_biasdrop) mkdir -p "$R/e2e_biasdrop"; stage bench_e2e_biasdrop "$limit" python3 benchmarks/bench_e2e.py --bias-in-dropout --configs "${E2E_CONFIGS:-patched,compile,compile+patched}" --out "$R/e2e_biasdrop" ;;
     bench_e2e_nolindrop) mkdir -p "$R/e2e_nolindrop"; stage bench_e2e_nolindrop "$limit" python3 benchmarks/bench_e2e.py --no-linear-dropout --configs "${E2E_CONFIGS:-patched,compile,compile+patched}" --out "$R/e2e_nolindrop" ;;
     bench_e2e_quick) stage bench_e2e_quick "$limit" python3 benchmarks/bench_e2e.py --quick --out "$R" ;;
     parity) stage parity "$limit" python3 -m dispatch.parity --quick ;;

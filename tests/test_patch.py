@@ -55,6 +55,7 @@ def test_sequential_report_and_modules():
     text = str(report)
     assert "0=Linear(16->64) + 1=GELU + 2=Dropout(p=0.1)" in text
     assert "2=FusedBiasActDropout(gelu_tanh, p=0.1)" in text
+    assert "3=FusedLinear() + 4=FusedBiasActDropout(identity, p=0.1, bias=False)" in text
     assert "5=FusedLinear(silu)" in text
     assert "activation Tanh has no fused equivalent" in text
     assert [type(m).__name__ for m in model] == [
@@ -62,8 +63,9 @@ def test_sequential_report_and_modules():
         "FusedLinear", "FusedBiasActDropout",
         "FusedLinear", "Identity", "Linear", "Tanh",
     ]  # fmt: skip
-    assert model[2].activation == "gelu_tanh" and model[2].p == 0.1
-    assert model[4].activation == "identity" and model[4].bias is not None
+    assert model[2].activation == "gelu_tanh" and model[2].p == 0.1 and model[2].bias is not None
+    assert model[0].bias is None  # gelu between: the bias moves into the fused pass
+    assert model[4].activation == "identity" and model[4].bias is None and model[3].bias is not None
     assert [model[i].weight for i in (0, 3, 5)] == weights, "parameters must be reused, not copied"
     assert len(patch(model)) == 0, "a second patch must find nothing left to fuse"
 
@@ -98,19 +100,27 @@ def test_sequential_training_dropout_runs_through_fused_module():
     torch.testing.assert_close(model(x), torch.ones(64, 256), rtol=0, atol=0)
 
 
-def test_bias_in_linear_keeps_the_bias_in_the_gemm_when_no_activation_sits_between():
-    """patch(bias_in_linear=True): Linear -> Dropout keeps its bias in the linear and the dropout op
-    gets none; runs with an activation keep moving the bias into the fused pass. Same function."""
+@pytest.mark.parametrize("bias_in_linear", (True, False))
+def test_where_a_linear_dropout_run_keeps_its_bias(bias_in_linear):
+    """Linear -> Dropout keeps its bias in the linear and the dropout op gets none (the default), or
+    with bias_in_linear=False the bias moves into the dropout's pass; runs with an activation move it
+    into the fused pass either way. Same function."""
     original = _mlp(0.3).eval()
     model = copy.deepcopy(original)
-    report = patch(model, bias_in_linear=True)
-    assert "3=FusedLinear() + 4=FusedBiasActDropout(identity, p=0.3, bias=False)" in str(report)
-    assert model[3].bias is not None and model[4].bias is None and model[4].p == 0.3
+    report = patch(model, bias_in_linear=bias_in_linear)
+    if bias_in_linear:
+        assert "3=FusedLinear() + 4=FusedBiasActDropout(identity, p=0.3, bias=False)" in str(report)
+        assert model[3].bias is not None and model[4].bias is None
+        assert model[3].bias is original[3].bias or torch.equal(model[3].bias, original[3].bias)
+    else:
+        assert "3=FusedLinear(bias=False) + 4=FusedBiasActDropout(identity, p=0.3)" in str(report)
+        assert model[3].bias is None and model[4].bias is not None
+        assert torch.equal(model[4].bias, original[3].bias)
+    assert model[4].p == 0.3 and model[4].activation == "identity"
     assert model[0].bias is None and model[2].bias is not None  # gelu between: the bias moves
-    assert model[3].bias is original[3].bias or torch.equal(model[3].bias, original[3].bias)
     x = torch.randn(5, 7, 16)
     _assert_same(model(x), original(x))
-    y = model[:5].train()(torch.randn(64, 16))  # up to the bias-free dropout
+    y = model[:5].train()(torch.randn(64, 16))  # up to the dropout after the bare linear
     assert 0.2 < float((y == 0).float().mean()) < 0.4, "dropout did not run at p = 0.3"
 
 
@@ -188,8 +198,9 @@ def test_gpt2_eval_same_logits(activation):
     mlp = patched.transformer.h[0].mlp
     fused_act = activation_name(original.transformer.h[0].mlp.act)
     assert isinstance(mlp.c_fc, FusedLinear) and mlp.c_fc.activation == fused_act
-    assert isinstance(mlp.c_proj, FusedLinear) and mlp.c_proj.bias is None
-    assert isinstance(mlp.dropout, FusedBiasActDropout) and mlp.dropout.p == 0.1
+    # c_proj -> dropout: the bias stays in the GEMM (patch's default bias_in_linear=True)
+    assert isinstance(mlp.c_proj, FusedLinear) and mlp.c_proj.bias is not None
+    assert isinstance(mlp.dropout, FusedBiasActDropout) and mlp.dropout.p == 0.1 and mlp.dropout.bias is None
     # Conv1D stores (in, out): the fused weight is its transpose
     torch.testing.assert_close(mlp.c_fc.weight, original.transformer.h[0].mlp.c_fc.weight.t(), rtol=0, atol=0)
     ids = torch.randint(0, 128, (2, 24))
@@ -226,7 +237,7 @@ def test_gpt2_trains_with_dropout():
         loss = model(ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()
-        assert model.transformer.h[0].mlp.dropout.bias.grad is not None
+        assert model.transformer.h[0].mlp.c_proj.bias.grad is not None
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]

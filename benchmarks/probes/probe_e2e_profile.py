@@ -94,7 +94,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--configs", default="eager,patched", help="from eager,patched,compile,compile+patched")
-    p.add_argument("--bias-in-linear", action="store_true", help="patch(bias_in_linear=True)")
+    p.add_argument("--bias-in-dropout", action="store_true", help="patch(bias_in_linear=False)")
     p.add_argument("--no-linear-dropout", action="store_true", help="patch(linear_dropout=False)")
     a = p.parse_args()
     args = argparse.Namespace(
@@ -116,7 +116,7 @@ def main() -> None:
     summary, profiles = [], {}
     for name in a.configs.split(","):
         model, _ = bench_e2e.build(
-            config, state, device, "patched" in name, a.bias_in_linear, not a.no_linear_dropout
+            config, state, device, "patched" in name, not a.bias_in_dropout, not a.no_linear_dropout
         )
         if name.startswith("compile"):  # the warm-up steps in profile() compile it
             model = torch.compile(model)
