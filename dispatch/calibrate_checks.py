@@ -196,8 +196,8 @@ def _winner(p: dict) -> Optional[str]:
 
 
 def _settle(p: dict, name: str, result: list) -> None:
-    """Records a deferred gate result in ``p`` and takes ``name`` off its ``unchecked`` list (a new
-    list: members' copies of the point hold the old one)."""
+    """Records a deferred gate result in ``p`` and takes ``name`` off its ``unchecked`` list (the
+    last one checked removes the list)."""
     Run.verdict(p, name, result)
     left = [n for n in p.get("unchecked", ()) if n != name]
     if left:
