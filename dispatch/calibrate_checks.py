@@ -11,8 +11,8 @@ import torch
 
 from dispatch import calibrate_bench as bench
 from dispatch import calibrate_workers
-from dispatch.calibrate_plan import Series, fit, held_out_sizes, rank, servers
-from dispatch.calibrate_run import Run, member_copy
+from dispatch.calibrate_plan import Series, fit, held_out_sizes, rank
+from dispatch.calibrate_run import Run, member_points
 
 
 def runs(points: list[dict]) -> list[list[dict]]:
@@ -79,8 +79,7 @@ def check_members(run: Run) -> Optional[dict]:
         rep = run.entries.get((*key[:2], e["measured_as"], *key[3:]))
         if not e["parity_checked"] and rep is not None:
             s = Series(e["op"], getattr(torch, e["dtype"]), e["mode"], e["dropout"], e["measured_as"])
-            serve = servers(e["op"], e["activation"])
-            points = [member_copy(p, serve) for p in rep["points"]]
+            points = member_points(rep["points"], e["op"], e["activation"])
             todo.append((s, e["activation"], tuple(e["features"]), points))
     known: dict[tuple, list] = {}
     summary = None
@@ -133,8 +132,8 @@ def check_deferred(run: Run, deadline_s: float) -> Optional[dict]:
     for e in run.entries.values():
         if e["activation"] == e["measured_as"]:
             for p in e["points"]:
-                if _winner(p) in p.get("unchecked", ()):
-                    pending.append((e, p, [_winner(p)]))
+                if (w := _winner(p)) in p.get("unchecked", ()):
+                    pending.append((e, p, [w]))
                     fits.add(id(p))
             pending += [(e, p, list(p["unchecked"])) for p in e["held_out"] if p.get("unchecked")]
     for h in run.held_sizes:
@@ -180,8 +179,7 @@ def check_deferred(run: Run, deadline_s: float) -> Optional[dict]:
         rep = run.entries.get((*key[:2], e["measured_as"], *key[3:]))
         if not e["parity_checked"] and rep is not None and rep is not e:
             # a member not checked yet follows its representative's checks (until its own, if any)
-            serve = servers(e["op"], e["activation"])
-            e["points"] = [{**member_copy(p, serve), "err": {}, "rejected": {}} for p in rep["points"]]
+            e["points"] = member_points(rep["points"], e["op"], e["activation"])
         segments = fit(e["points"])
         if segments:
             e["segments"] = segments

@@ -30,13 +30,20 @@ from dispatch.calibrate_plan import (
 from dispatch.registry import backends
 
 
-def member_copy(point: dict, serve: frozenset[str]) -> dict:
-    """A representative's point as a member's copy starts: the timings of the backends that serve the
-    member (cuBLASLt's timings of relu are no timings of leaky_relu), without the representative's
-    list of backends whose parity is still to be checked (a member is checked on its own)."""
-    copy = {k: v for k, v in point.items() if k != "unchecked"}
-    copy["ms"] = {n: t for n, t in point["ms"].items() if n in serve}
-    return copy
+def member_points(points: list[dict], op: str, activation: str) -> list[dict]:
+    """A representative's points as a member's start: the timings of the backends that serve the
+    member (cuBLASLt's timings of relu are no timings of leaky_relu), none of the representative's
+    gate results or its list of backends still to check (a member is checked on its own)."""
+    serve = servers(op, activation)
+    return [
+        {
+            **{k: v for k, v in p.items() if k != "unchecked"},
+            "ms": {n: t for n, t in p["ms"].items() if n in serve},
+            "err": {},
+            "rejected": {},
+        }
+        for p in points
+    ]
 
 
 def _key(e: dict) -> tuple:
@@ -201,8 +208,7 @@ class Run:
             }
         )
         for member in s.members:
-            serve = servers(s.op, member)
-            shared = [{**member_copy(points[m], serve), "err": {}, "rejected": {}} for m in measured]
+            shared = member_points([points[m] for m in measured], s.op, member)
             self.add(s, member, features, shared, [], False)
 
     def add(

@@ -386,7 +386,7 @@ def test_deferred_check_failures_leave_the_table(monkeypatch, fake_backends):
 
     from dispatch import calibrate_workers
     from dispatch.calibrate_plan import Series, default_plan
-    from dispatch.calibrate_run import Run, member_copy
+    from dispatch.calibrate_run import Run, member_points
 
     run = Run(default_plan(torch.device("cpu"), True, None), None, tqdm(disable=True), workers=2)
     s = Series("bias_act_dropout", torch.float32, "inference", False, "gelu", ["silu"])
@@ -395,8 +395,7 @@ def test_deferred_check_failures_leave_the_table(monkeypatch, fake_backends):
         for m in (1, 64, 4096)
     ]
     run.add(s, "gelu", (32,), pts, [], True)
-    both = frozenset({"eager", "flat"})
-    run.add(s, "silu", (32,), [{**member_copy(p, both), "err": {}, "rejected": {}} for p in pts], [], False)
+    run.add(s, "silu", (32,), member_points(pts, "bias_act_dropout", "silu"), [], False)
 
     def check(jobs, workers, deadline_s, device, bar=None):
         assert workers == 2 and [j[6] for j in jobs] == [1, 64, 4096] and all(j[3] == "gelu" for j in jobs)
