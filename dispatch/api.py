@@ -11,28 +11,13 @@ from torch import Tensor
 from dispatch import rng as dropout_rng
 from dispatch.activations import ACTIVATIONS
 from dispatch.checks import FLOAT_DTYPES, bias_act_dropout_args, check_backend, fused_linear_args
-from dispatch.registry import Call, fused_linear_infer
-from dispatch.select import (
-    ENV_VAR,
-    Decision,
-    _requested,
-    cached_impl,
-    decide,
-    env_backend,
-    request_key,
-    select,
-)
+from dispatch.registry import Call, fused_linear_inference
+from dispatch.select import ENV_VAR, Decision, _impls, _requested, decide, env_backend, request_key, select
 
 _is_compiling = torch.compiler.is_compiling  # bound once: the attribute chain costs ~0.1 us per call
 _is_grad_enabled = torch.is_grad_enabled
 _requested_get = _requested.get
-
-
-def _flatten(x: Tensor, shape: torch.Size, last: int) -> tuple[int, Tensor]:
-    """(M, x as (M, last)) for x that is not 2-D: a view if strides allow. M from integers where it
-    can: math.prod(shape[:-1]) slices a torch.Size, ~0.5 us."""
-    m = shape[0] * shape[1] if len(shape) == 3 else math.prod(shape[:-1])
-    return m, x.reshape(m, last)
+_impls_get = _impls.get  # the decision cache's lookup, bound: a function around it costs a call, ~0.1 us
 
 
 def _needs_grad(*tensors: Optional[Tensor]) -> bool:
@@ -96,47 +81,23 @@ def _device_key(x: Tensor) -> object:
 
 
 def _bias_act_dropout_impl(key: tuple, x: Tensor) -> object:
-    """The op module for a cache miss: decide, cache, return."""
+    """A cache miss: decide, cache, return the op module. ``key``: the full call signature
+    (dispatch.select.request_key)."""
     _, _, dtype, m, n, activation, dropout, grad = key[:8]
-    decision = select(
-        key, lambda: Call("bias_act_dropout", x.device, dtype, (m, n), activation, dropout, grad)
-    )
-    return decision.backend.ops["bias_act_dropout"]
+    select(key, lambda: Call("bias_act_dropout", x.device, dtype, (m, n), activation, dropout, grad))
+    return _impls[key]
 
 
 def _fused_linear_impl(key: tuple, x: Tensor) -> object:
+    """A cache miss: decide, cache, return the op module for calls with autograd, its inference function
+    (registry.fused_linear_inference: infer or forward's y, looked up once, not per call) for the others."""
     _, _, dtype, m, n, k, activation, grad = key[:8]
-    decision = select(key, lambda: Call("fused_linear", x.device, dtype, (m, n, k), activation, False, grad))
-    return decision.backend.ops["fused_linear"]
-
-
-def _run_bias_act_dropout(x, x2d, bias, activation, p, rng, grad, key) -> Tensor:
-    """The cached decision -> the backend; the result in x's shape. ``key``: the full call signature
-    (dispatch.select.request_key)."""
-    impl = cached_impl(key)
-    if impl is None:
-        impl = _bias_act_dropout_impl(key, x)
-    if grad:
-        y = _BiasActDropout.apply(x2d, bias, impl, activation, p, rng)
-    else:
-        y = impl.forward(x2d, bias, activation, p, rng)
-    return y if x2d is x else y.view_as(x)  # view_as: view(x.shape) parses a torch.Size, ~2 us
-
-
-def _run_fused_linear(x, x2d, shape, weight, bias, activation, grad, key) -> Tensor:
-    """The cached decision -> the backend; the result shaped (..., N)."""
-    impl = cached_impl(key)
-    if impl is None:
-        impl = _fused_linear_impl(key, x)
-    if grad:
-        y = _FusedLinear.apply(x2d, weight, bias, impl, activation)
-    else:
-        y = fused_linear_infer(impl, x2d, weight, bias, activation)
-    if x2d is x:
-        return y
-    n = key[4]
-    # integer arguments: view(*shape[:-1], n) slices a torch.Size first, ~0.7 us more
-    return y.view(shape[0], shape[1], n) if len(shape) == 3 else y.view(*shape[:-1], n)
+    select(
+        key,
+        lambda: Call("fused_linear", x.device, dtype, (m, n, k), activation, False, grad),
+        None if grad else fused_linear_inference,
+    )
+    return _impls[key]
 
 
 # ----------------------------------------------------------------------------- the ops
@@ -168,23 +129,24 @@ def fused_bias_act_dropout(
     """
     # The steady-state path: common valid arguments on CPU or CUDA, checked inline with no torch.device
     # built (x.device makes a new one per use; CUDA calls cost ~2.4 us more than CPU ones on the H200
-    # host, dispatch_overhead-2026-11-30.log). Anything else, and torch.compile, takes the full checks
-    # below, which raise each error in argument order.
+    # host, dispatch_overhead-2026-11-30.log) and no Python function of ours between here and the
+    # backend (a call costs ~0.1 us). Anything else, and torch.compile, takes the full checks below,
+    # which raise each error in argument order.
     if (
         not _is_compiling()
         and isinstance(x, Tensor)
         and (dtype := x.dtype) in FLOAT_DTYPES
         and (shape := x.shape)  # a 0-d tensor's shape is empty
         and ((on_cuda := x.is_cuda) or x.is_cpu)
-        and ((device := x.get_device()) >= -1)  # -1 on CPU, the index on CUDA: always true
+        # the index on CUDA, -1 (every CPU tensor's get_device()) on CPU: always true
+        and ((device := x.get_device() if on_cuda else -1) >= -1)
         and (
             bias is None
             or (
                 isinstance(bias, Tensor)
                 and bias.dtype is dtype
-                and bias.shape == (shape[-1],)
-                and (bias.is_cuda if on_cuda else bias.is_cpu)
-                and bias.get_device() == device
+                and bias.shape == (shape[-1],)  # ~0.14 us: bias.size() or ndim and numel cost more
+                and ((bias.is_cuda and bias.get_device() == device) if on_cuda else bias.is_cpu)
             )
         )
         and activation in ACTIVATIONS
@@ -200,38 +162,50 @@ def fused_bias_act_dropout(
         rng = dropout_rng.draw_for(x) if dropout else None
         p = p if dropout else 0.0
         n = shape[-1]
-        m, x2d = (shape[0], x) if len(shape) == 2 else _flatten(x, shape, n)  # (M, N)
-        grad = _is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+        if len(shape) == 2:
+            m, x2d = shape[0], x
+        else:  # (M, N), a view if strides allow; M from integers: math.prod(shape[:-1]) slices a torch.Size
+            m = shape[0] * shape[1] if len(shape) == 3 else math.prod(shape[:-1])
+            x2d = x.reshape(m, n)
+        # requires_grad first: calls without autograd skip the grad-mode call (~0.1 us)
+        grad = (x.requires_grad or (bias is not None and bias.requires_grad)) and _is_grad_enabled()
         # The full call signature, flat (one hash): dispatch.select.request_key inlined
         key = ("bias_act_dropout", device, dtype, m, n, activation, dropout, grad, backend,
                None if backend is not None else _requested_get())
-        return _run_bias_act_dropout(x, x2d, bias, activation, p, rng, grad, key)
+    else:
+        x, bias, activation, p, dropout = bias_act_dropout_args(x, bias, activation, p, training, generator)
+        check_backend(backend)
+        n = x.shape[-1]
+        p = p if dropout else 0.0
+        x2d = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), n)  # (M, N), a view if strides allow
+        if torch.compiler.is_compiling():
+            from dispatch import library
 
-    x, bias, activation, p, dropout = bias_act_dropout_args(x, bias, activation, p, training, generator)
-    check_backend(backend)
-    n = x.shape[-1]
-    p = p if dropout else 0.0
-    x2d = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), n)  # (M, N), a view if strides allow
-    if torch.compiler.is_compiling():
-        from dispatch import library
+            # no backend requested (and no generator of the caller's): plain math that inductor fuses with
+            # its neighbours, dropout included (inductor's mask, as for nn.Dropout; an opaque op here cost
+            # GPT-2 a pass over each MLP output and its host time: compile+patched 0.996x compile, issue 7)
+            if library.inline(backend) and (generator is None or not dropout):
+                from backends.eager.bias_act_dropout import traced
 
-        # no backend requested (and no generator of the caller's): plain math that inductor fuses with
-        # its neighbours, dropout included (inductor's mask, as for nn.Dropout; an opaque op here cost
-        # GPT-2 a pass over each MLP output and its host time: compile+patched 0.996x compile, issue 7)
-        if library.inline(backend) and (generator is None or not dropout):
-            from backends.eager.bias_act_dropout import traced
+                return traced(x, bias, activation, p)
+            rng = dropout_rng.draw(x.device, generator) if dropout else None  # a traced op: a tensor
 
-            return traced(x, bias, activation, p)
-        rng = dropout_rng.draw(x.device, generator) if dropout else None  # a traced op: a tensor
-
-        return library.bias_act_dropout(x2d, bias, activation, p, rng, backend or "", _needs_grad(x, bias)).view(x.shape)
-    rng = dropout_rng.draw_for(x, generator) if dropout else None
-    grad = _needs_grad(x, bias)
-    key = (
-        "bias_act_dropout", _device_key(x), x.dtype, x2d.shape[0], n, activation, dropout, grad,
-        *request_key(backend),
-    )  # fmt: skip
-    return _run_bias_act_dropout(x, x2d, bias, activation, p, rng, grad, key)
+            grad = _needs_grad(x, bias)
+            return library.bias_act_dropout(x2d, bias, activation, p, rng, backend or "", grad).view(x.shape)
+        rng = dropout_rng.draw_for(x, generator) if dropout else None
+        grad = _needs_grad(x, bias)
+        key = (
+            "bias_act_dropout", _device_key(x), x.dtype, x2d.shape[0], n, activation, dropout, grad,
+            *request_key(backend),
+        )  # fmt: skip
+    impl = _impls_get(key)
+    if impl is None:
+        impl = _bias_act_dropout_impl(key, x)
+    if grad:
+        y = _BiasActDropout.apply(x2d, bias, impl, activation, p, rng)
+    else:
+        y = impl.forward(x2d, bias, activation, p, rng)
+    return y if x2d is x else y.view_as(x)  # view_as: view(x.shape) parses a torch.Size, ~2 us
 
 
 def fused_linear(
@@ -258,11 +232,10 @@ def fused_linear(
         and (dtype := x.dtype) in FLOAT_DTYPES
         and (shape := x.shape)
         and ((on_cuda := x.is_cuda) or x.is_cpu)
-        and ((device := x.get_device()) >= -1)
+        and ((device := x.get_device() if on_cuda else -1) >= -1)
         and isinstance(weight, Tensor)
         and weight.dtype is dtype
-        and (weight.is_cuda if on_cuda else weight.is_cpu)
-        and weight.get_device() == device
+        and ((weight.is_cuda and weight.get_device() == device) if on_cuda else weight.is_cpu)
         and len(wshape := weight.shape) == 2
         and wshape[1] == shape[-1]
         and (
@@ -270,8 +243,7 @@ def fused_linear(
             or (
                 isinstance(bias, Tensor)
                 and bias.dtype is dtype
-                and (bias.is_cuda if on_cuda else bias.is_cpu)
-                and bias.get_device() == device
+                and ((bias.is_cuda and bias.get_device() == device) if on_cuda else bias.is_cpu)
                 and bias.shape == (wshape[0],)
             )
         )
@@ -281,33 +253,48 @@ def fused_linear(
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
         n, k = wshape
-        m, x2d = (shape[0], x) if len(shape) == 2 else _flatten(x, shape, k)  # (M, K)
-        grad = _is_grad_enabled() and (
+        if len(shape) == 2:
+            m, x2d = shape[0], x
+        else:  # (M, K)
+            m = shape[0] * shape[1] if len(shape) == 3 else math.prod(shape[:-1])
+            x2d = x.reshape(m, k)
+        grad = (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-        )
+        ) and _is_grad_enabled()
         key = ("fused_linear", device, dtype, m, n, k, activation, grad, backend,
                None if backend is not None else _requested_get())
-        return _run_fused_linear(x, x2d, shape, weight, bias, activation, grad, key)
+    else:
+        x, weight, bias, activation = fused_linear_args(x, weight, bias, activation)
+        check_backend(backend)
+        shape = x.shape
+        k = shape[-1]
+        n = weight.shape[0]
+        x2d = x if x.dim() == 2 else x.reshape(math.prod(shape[:-1]), k)  # (M, K)
+        grad = _needs_grad(x, weight, bias)
+        if torch.compiler.is_compiling():
+            from dispatch import library
 
-    x, weight, bias, activation = fused_linear_args(x, weight, bias, activation)
-    check_backend(backend)
-    k = x.shape[-1]
-    n = weight.shape[0]
-    x2d = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), k)  # (M, K)
-    grad = _needs_grad(x, weight, bias)
-    if torch.compiler.is_compiling():
-        from dispatch import library
+            if library.inline(backend):  # inductor fuses bias and activation as for nn.Linear
+                from backends.eager.fused_linear import traced
 
-        if library.inline(backend):  # inductor fuses bias and activation as for nn.Linear
-            from backends.eager.fused_linear import traced
-
-            return traced(x, weight, bias, activation)
-        return library.fused_linear(x2d, weight, bias, activation, backend or "", grad).view(*x.shape[:-1], n)
-    key = (
-        "fused_linear", _device_key(x), x.dtype, x2d.shape[0], n, k, activation, grad, *request_key(backend)
-    )  # fmt: skip
-    return _run_fused_linear(x, x2d, x.shape, weight, bias, activation, grad, key)
-
+                return traced(x, weight, bias, activation)
+            y = library.fused_linear(x2d, weight, bias, activation, backend or "", grad)
+            return y.view(*x.shape[:-1], n)
+        key = (
+            "fused_linear", _device_key(x), x.dtype, x2d.shape[0], n, k, activation, grad,
+            *request_key(backend),
+        )  # fmt: skip
+    impl = _impls_get(key)  # the op module with autograd, its inference function without (_fused_linear_impl)
+    if impl is None:
+        impl = _fused_linear_impl(key, x)
+    if grad:
+        y = _FusedLinear.apply(x2d, weight, bias, impl, activation)
+    else:
+        y = impl(x2d, weight, bias, activation)
+    if x2d is x:
+        return y
+    # integer arguments: view(*shape[:-1], n) slices a torch.Size first, ~0.7 us more
+    return y.view(shape[0], shape[1], n) if len(shape) == 3 else y.view(*shape[:-1], n)
 
 def explain(op_name: str, *args: Any, **kwargs: Any) -> Decision:
     """Which backend ``op_name`` (``"fused_bias_act_dropout"`` or ``"fused_linear"``) would use for

@@ -28,7 +28,9 @@ _requested: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
     "dispatch_backend", default=None
 )
 _cache: dict[tuple, "Decision"] = {}
-_impls: dict[tuple, object] = {}  # the same keys -> the chosen backend's op module: the hot path's lookup
+# The same keys -> what the ops' hot path calls (dispatch.api binds _impls.get at import: cleared, never
+# rebound): the chosen backend's op module, or what select()'s ``prepare`` made of it.
+_impls: dict[tuple, object] = {}
 # Read at import and by clear_cache(), not per call: os.environ.get of an unset variable costs ~1 us
 # (a KeyError raised and caught inside os.environ), a third of the whole dispatch budget.
 _env_backend: Optional[str] = os.environ.get(ENV_VAR) or None
@@ -62,12 +64,6 @@ def use_backend(name: str) -> Iterator[None]:
         _requested.reset(token)
 
 
-def cached_impl(key: tuple) -> Optional[object]:
-    """The hot path: the op module cached for the full call signature ``key`` (see ``request_key``),
-    or None on a miss (then ``select``); one dictionary lookup."""
-    return _impls.get(key)
-
-
 def request_key(backend: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     """The last two items of a full cache key: (the backend= argument, use_backend()'s name). The
     position tells the two sources apart; DISPATCH_BACKEND needs no place, as ``clear_cache()`` (which
@@ -75,9 +71,12 @@ def request_key(backend: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     return (backend, None) if backend is not None else (None, _requested.get())
 
 
-def select(key: tuple, make_call: Callable[[], Call]) -> Decision:
+def select(
+    key: tuple, make_call: Callable[[], Call], prepare: Optional[Callable[[object], object]] = None
+) -> Decision:
     """A cached decision for the full call signature ``key`` (its first item is the op's name, its last
-    two ``request_key``'s), deciding on a miss."""
+    two ``request_key``'s), deciding on a miss. A miss also keeps in ``_impls[key]`` the chosen op module,
+    or ``prepare(module)`` (e.g. ``registry.fused_linear_inference``): the hot path's one lookup."""
     backend, context = key[-2:]
     source = _ARGUMENT
     if backend is None:
@@ -89,8 +88,10 @@ def select(key: tuple, make_call: Callable[[], Call]) -> Decision:
         if len(_cache) >= _CACHE_LIMIT:
             _cache.clear()
             _impls.clear()
-        found = _cache[key] = decide(make_call(), backend, source)
-        _impls[key] = found.backend.ops[key[0]]
+        found = decide(make_call(), backend, source)
+        impl = found.backend.ops[key[0]]
+        _impls[key] = impl if prepare is None else prepare(impl)
+        _cache[key] = found  # last: a key in _cache is in _impls
     return found
 
 

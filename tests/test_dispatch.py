@@ -8,6 +8,8 @@ serves float64 only.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -35,6 +37,14 @@ class Recorder:
     def backward(self, *args):
         self.calls.append("backward")
         return self.module.backward(*args)
+
+
+class InferRecorder(Recorder):
+    """A fused_linear implementation with the optional ``infer`` (registry.FusedLinearImpl)."""
+
+    def infer(self, *args):
+        self.calls.append("infer")
+        return self.module.forward(*args)[0]
 
 
 def _double(name: str, dtypes=ALL_DTYPES) -> Backend:
@@ -173,6 +183,24 @@ def test_argument_beats_use_backend(fake, device):
     assert decision.backend.name == "eager" and decision.rule == "requested by the backend= argument"
     assert fake.ops["bias_act_dropout"].calls == []
     assert fake.ops["fused_linear"].calls == ["forward"]  # from the call without backend=
+
+
+def test_fused_linear_takes_infer_without_autograd(monkeypatch, device):
+    """Calls without autograd take the backend's infer where it has one (resolved once per decision),
+    calls with autograd its forward; without infer, forward's y (test_argument_beats_use_backend)."""
+    registry.backends()
+    backend = dataclasses.replace(_double("inferring"), ops={"fused_linear": InferRecorder(eager_linear)})
+    monkeypatch.setitem(registry._BACKENDS, "inferring", backend)
+    x = torch.randn(2, 3, 16, device=device)
+    w = torch.randn(5, 16, device=device, requires_grad=True)
+    with use_backend("inferring"):
+        fused_linear(x, w, None, "gelu")
+        with torch.no_grad():
+            for _ in range(2):
+                y = fused_linear(x, w, None, "gelu")
+    assert backend.ops["fused_linear"].calls == ["forward", "infer", "infer"]
+    assert y.shape == (2, 3, 5)
+    torch.testing.assert_close(y, torch.nn.functional.gelu(x @ w.detach().T))
 
 
 def test_priority_list_when_the_table_pick_cannot_serve(monkeypatch, fake, device):
