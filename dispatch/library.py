@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from dispatch.registry import Call, fused_linear_infer
+from dispatch.registry import Call, fused_linear_inference
 from dispatch.select import request_key, select
 
 _EMPTY = (0,)
@@ -118,7 +118,7 @@ def _fused_linear_op(
     shape = (x.shape[0], weight.shape[0], x.shape[1])
     impl = _impl("fused_linear", x, shape, activation, False, training, backend)
     if not training:  # no autograd: nothing to keep (the fake promises an empty saved tensor)
-        return fused_linear_infer(impl, x, weight, bias, activation), x.new_empty(_EMPTY)
+        return fused_linear_inference(impl)(x, weight, bias, activation), x.new_empty(_EMPTY)
     y, saved = impl.forward(x, weight, bias, activation)
     if saved is None and activation != "identity":  # cublaslt recomputes it in backward; the fake promises (M, N)
         saved = torch.nn.functional.linear(x, weight, bias)

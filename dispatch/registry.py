@@ -65,24 +65,13 @@ class FusedLinearImpl(Protocol):
     ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]: ...
 
 
-def fused_linear_infer(
-    impl: FusedLinearImpl, x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str
-) -> Tensor:
-    """The output of a fused_linear call without autograd: ``impl.infer`` where the backend has one,
-    else forward's y. Looks ``infer`` up per call; the dispatcher resolves it once per decision
-    (``fused_linear_inference``)."""
-    infer = getattr(impl, "infer", None)
-    if infer is None:
-        return impl.forward(x, weight, bias, activation)[0]
-    return infer(x, weight, bias, activation)
-
-
 def fused_linear_inference(
     impl: FusedLinearImpl,
 ) -> Callable[[Tensor, Tensor, Optional[Tensor], str], Tensor]:
-    """``fused_linear_infer`` for ``impl`` resolved once: a function of (x, weight, bias, activation).
-    The dispatcher keeps it per decision: getattr of a module's missing attribute raises and catches an
-    AttributeError, ~1.7 us per call on Python 3.11."""
+    """How a fused_linear call without autograd runs on ``impl``: ``impl.infer`` where the backend has
+    one, else forward's y; a function of (x, weight, bias, activation). The dispatcher resolves it once
+    per decision: getattr of a module's missing attribute raises and catches an AttributeError, ~1.7 us
+    per call on Python 3.11."""
     infer = getattr(impl, "infer", None)
     if infer is not None:
         return infer

@@ -24,7 +24,6 @@ import argparse
 import gc
 import os
 import sys
-import time
 from typing import Callable
 
 import torch
@@ -34,17 +33,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_dispatch_overhead as bench  # noqa: E402
 
 from dispatch import fused_bias_act_dropout, fused_linear  # noqa: E402
-
-
-def _per_call_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def _pairs(device: torch.device) -> list[tuple[str, str, Callable, Callable, Callable, Callable]]:
@@ -92,7 +80,7 @@ def main() -> None:
                 for name, fn in loops.items():
                     for _ in range(200):
                         fn()
-                    best[name] = min(_per_call_us(fn, args.calls, device) for _ in range(args.rounds))
+                    best[name] = min(bench._per_call_us(fn, args.calls, device) for _ in range(args.rounds))
                 gc.enable()
                 rows.append(
                     [device.type, op, backend, "on" if gc_on else "off"]
