@@ -66,6 +66,11 @@ for arg in "$@"; do
     bench_linear) stage bench_linear "$limit" python3 benchmarks/bench_fused_linear.py --out "$R" ;;
     bench_linear_variants) stage bench_linear_variants "$limit" python3 benchmarks/bench_fused_linear.py --quick --variants --out "$R" ;;
     bench_linear_quick) stage bench_linear_quick "$limit" python3 benchmarks/bench_fused_linear.py --quick --out "$R" ;;
+    sweep_epilogue) stage sweep_epilogue "$limit" python3 benchmarks/probes/sweep_fused_linear.py --set epilogue --acts gelu_tanh,gelu,relu --out "$R" ;;
+    # bench_e2e at another batch size (bench_e2e_batch16: 16 sequences), E2E_STEPS steps of E2E_CONFIGS
+    bench_e2e_batch*)
+      b=${name#bench_e2e_batch}; mkdir -p "$R/e2e_batch$b"
+      stage "$name" "$limit" python3 benchmarks/bench_e2e.py --batch "$b" --steps "${E2E_STEPS:-60}" --configs "${E2E_CONFIGS:-eager,patched}" --out "$R/e2e_batch$b" ;;
     sweep_linear) stage sweep_linear "$limit" python3 benchmarks/probes/sweep_fused_linear.py --out "$R" ;;
     bench_overhead) stage bench_overhead "$limit" python3 benchmarks/bench_dispatch_overhead.py --out "$R" ;;
     e2e_profile) stage e2e_profile "$limit" python3 benchmarks/probes/probe_e2e_profile.py ;;

@@ -6,6 +6,7 @@ still cross tile, group and K-block edges; ``gpu``-marked tests use real sizes a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -224,6 +225,22 @@ def test_plan_cache_tells_layouts_and_alignment_apart(device):
     with matmul.options(variant="pointer"):
         assert matmul.plan(x, w.t())[1] == "pointer"
     assert matmul.plan(x, w.t())[1] == matmul.DEFAULT_VARIANT
+
+
+@pytest.mark.parametrize("variant", ("tma", "tma_store"))
+@pytest.mark.parametrize("n", (24, 21), ids=("aligned-rows", "odd-rows"))
+def test_epilogue_split_and_warp_specialize(variant, n, device):
+    """Config knobs of the TMA kernel: the epilogue on each half of a tile's columns (edges inside
+    either half: N = 21 with 16-column tiles) and tl.range's warp specialization; forward with its
+    pre-activation, grad_pre with the bias's column sums, and the plain products all match."""
+    base = matmul.CONFIG_INTERPRETER if device == "cpu" else matmul.CONFIGS_16[0]
+    config = dataclasses.replace(base, epilogue_split=2, warp_specialize=device == "cpu")
+    x, weight, bias = _inputs((37, 40), n, torch.bfloat16, device)
+    grad_y = torch.randn(37, n, device=device).to(torch.bfloat16)
+    with matmul.options(variant=variant, config=config):
+        assert matmul.plan(x, weight.t())[:2] == (config, variant)
+        result = run_api(x, weight, bias, "gelu_tanh", grad_y)
+    assert_matches(*result, x, weight, bias, "gelu_tanh", grad_y)
 
 
 @pytest.mark.parametrize("config", matmul.CONFIGS_16 + matmul.CONFIGS_32, ids=str)

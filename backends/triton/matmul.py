@@ -70,8 +70,9 @@ def _store(DST, tile, off_m, off_n, offs, mask, STORE_TMA: tl.constexpr):
 @triton.jit
 def _epilogue(
     acc,  # (BLOCK_M, BLOCK_N) float32 tile of A @ B
-    pid_m,  # row tile index
-    pid_n,  # column tile index
+    off_m,  # its first row in C
+    off_n,  # its first column in C
+    row_tile,  # index of the row tile it belongs to (COLSUM's row)
     M,  # rows of C
     N,  # columns of C
     C,  # (M, N) output
@@ -83,7 +84,7 @@ def _epilogue(
     stride_gm,  # GRAD_Y row stride
     stride_gn,  # GRAD_Y column stride
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # this epilogue's columns: the tile's, or half of them (EPILOGUE_SPLIT)
     EPILOGUE: tl.constexpr,  # "forward", "grad" or "plain"
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -92,8 +93,8 @@ def _epilogue(
     INDEX_64: tl.constexpr,  # some tensor has >= 2**31 elements: 64-bit offsets
     STORE_TMA: tl.constexpr,  # C and PRE are tensor descriptors: stores through TMA
 ):
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
     if INDEX_64:
         offs_m = offs_m.to(tl.int64)
     in_n = offs_n < N
@@ -103,7 +104,7 @@ def _epilogue(
     c_offs = offs_m[:, None] * stride_cm + offs_n[None, :]
     if EPILOGUE == "forward":
         if SAVE_PRE:
-            _store(PRE, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, c_offs, mask, STORE_TMA)
+            _store(PRE, acc, off_m, off_n, c_offs, mask, STORE_TMA)
         out = apply(acc, ACTIVATION)
     elif EPILOGUE == "grad":
         g_offs = offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn
@@ -112,11 +113,11 @@ def _epilogue(
     else:
         tl.static_assert(EPILOGUE == "plain", "unknown epilogue")
         out = acc
-    out = _store(C, out, pid_m * BLOCK_M, pid_n * BLOCK_N, c_offs, mask, STORE_TMA)
+    out = _store(C, out, off_m, off_n, c_offs, mask, STORE_TMA)
     if HAS_COLSUM:
         # sums of the rounded values, the ones grad_x and grad_W consume; rows past M hold zeros
         tile_sum = tl.sum(tl.where(mask, out.to(tl.float32), 0.0), axis=0)
-        tl.store(COLSUM + pid_m * N + offs_n, tile_sum, mask=in_n)
+        tl.store(COLSUM + row_tile * N + offs_n, tile_sum, mask=in_n)
 
 
 @triton.jit
@@ -180,8 +181,9 @@ def _matmul_kernel(
         b_ptrs += BLOCK_K * stride_bk
     _epilogue(
         acc,
+        pid_m * BLOCK_M,
+        pid_n * BLOCK_N,
         pid_m,
-        pid_n,
         M,
         N,
         C,
@@ -236,6 +238,8 @@ def _matmul_tma_kernel(
     INDEX_64: tl.constexpr,
     DOT_FP32: tl.constexpr,
     STORE_TMA: tl.constexpr,  # the epilogue stores C (and PRE) through descriptors ("tma_store")
+    WARP_SPECIALIZE: tl.constexpr,  # tl.range's warp specialization of the tile loop (Config)
+    EPILOGUE_SPLIT: tl.constexpr,  # 1, or 2: the epilogue runs on each half of the tile's columns
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -243,7 +247,9 @@ def _matmul_tma_kernel(
     start = tl.program_id(0)
     # the epilogue keeps its own tile counter so that it does not depend on the loop's (tutorial 09)
     tile_c = start - NUM_PROGRAMS
-    for tile_id in tl.range(start, num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN):
+    for tile_id in tl.range(
+        start, num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
+    ):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -263,30 +269,27 @@ def _matmul_tma_kernel(
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         tile_c += NUM_PROGRAMS
         pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
-        _epilogue(
-            acc,
-            pid_m,
-            pid_n,
-            M,
-            N,
-            C,
-            BIAS,
-            PRE,
-            GRAD_Y,
-            COLSUM,
-            stride_cm,
-            stride_gm,
-            stride_gn,
-            BLOCK_M,
-            BLOCK_N,
-            EPILOGUE,
-            ACTIVATION,
-            HAS_BIAS,
-            SAVE_PRE,
-            HAS_COLSUM,
-            INDEX_64,
-            STORE_TMA,
-        )
+        if EPILOGUE_SPLIT == 2:
+            # two (BLOCK_M, BLOCK_N / 2) epilogues: half the live registers for the activation's math
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            acc_lo, acc_hi = tl.split(halves)
+            _epilogue(
+                acc_lo, pid_m * BLOCK_M, pid_n * BLOCK_N, pid_m, M, N, C, BIAS, PRE, GRAD_Y, COLSUM,
+                stride_cm, stride_gm, stride_gn, BLOCK_M, BLOCK_N // 2, EPILOGUE, ACTIVATION, HAS_BIAS,
+                SAVE_PRE, HAS_COLSUM, INDEX_64, STORE_TMA,
+            )  # fmt: skip
+            _epilogue(
+                acc_hi, pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2, pid_m, M, N, C, BIAS, PRE, GRAD_Y,
+                COLSUM, stride_cm, stride_gm, stride_gn, BLOCK_M, BLOCK_N // 2, EPILOGUE, ACTIVATION,
+                HAS_BIAS, SAVE_PRE, HAS_COLSUM, INDEX_64, STORE_TMA,
+            )  # fmt: skip
+        else:
+            tl.static_assert(EPILOGUE_SPLIT == 1, "EPILOGUE_SPLIT is 1 or 2")
+            _epilogue(
+                acc, pid_m * BLOCK_M, pid_n * BLOCK_N, pid_m, M, N, C, BIAS, PRE, GRAD_Y, COLSUM,
+                stride_cm, stride_gm, stride_gn, BLOCK_M, BLOCK_N, EPILOGUE, ACTIVATION, HAS_BIAS,
+                SAVE_PRE, HAS_COLSUM, INDEX_64, STORE_TMA,
+            )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- tile configs
@@ -304,9 +307,13 @@ class Config:
     ctas_per_sm: int = 1  # resident programs per SM (shared memory allows)
     efficiency: float = 1.0  # throughput of a full SM relative to the largest tile (a guess until benched)
     group_m: int = 8
+    warp_specialize: bool = False  # TMA variants: tl.range(warp_specialize=True) over the tiles
+    epilogue_split: int = 1  # TMA variants: 2 runs the epilogue on each half of the tile's columns
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.num_warps}/s{self.num_stages}"
+        extra = "/ws" if self.warp_specialize else ""
+        extra += f"/e{self.epilogue_split}" if self.epilogue_split > 1 else ""
+        return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.num_warps}/s{self.num_stages}{extra}"
 
 
 # 16-bit, sm_80/sm_90. Shared memory = stages * (BM + BN) * BK * 2 bytes: 144 KiB, 128 KiB, 96 KiB.
@@ -535,14 +542,14 @@ def launch(
             t.data_ptr() % 16 == 0 and (sc[0] * t.element_size()) % 16 == 0 for t in outputs
         )
         if store_tma:  # row-major (M, N) outputs with 16-byte aligned rows: TMA writes them
-            block = [cfg.block_m, cfg.block_n]
+            block = [cfg.block_m, cfg.block_n // cfg.epilogue_split]
             c_desc = TensorDescriptor(c, [M, N], [sc[0], 1], block)
             outputs = (c_desc, c_desc if pre is None else TensorDescriptor(pre, [M, N], [sc[0], 1], block))
         (_TMA_STORE if store_tma else _TMA)(
             (min(programs, tiles),),
             (*descs, *outputs, bias_or_c, g, sums, M, N, K, sc[0], sg[0], sg[1]),
             (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, programs, a_kmajor, b_kmajor,
-             variant == "tma_flat", *tail, store_tma),
+             variant == "tma_flat", *tail, store_tma, cfg.warp_specialize, cfg.epilogue_split),
             cfg.num_warps,
             cfg.num_stages,
         )  # fmt: skip

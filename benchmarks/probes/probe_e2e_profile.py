@@ -38,9 +38,9 @@ def step(model, opt, x, y) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def profile(model, batches, steps: int, device: torch.device) -> tuple[float, float, list]:
+def profile(model, batches, steps: int, device: torch.device) -> tuple[float, float, list, list]:
     """(wall ms per step, kernel ms per step, [(kernel name, ms per step, calls per step)] for every
-    kernel, the longest first)."""
+    kernel, the longest first, and the same for host ops by their self CPU time)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     for x, y in batches[:3]:  # warm-up: compiles, decisions, allocator
         step(model, opt, x, y)
@@ -63,7 +63,14 @@ def profile(model, batches, steps: int, device: torch.device) -> tuple[float, fl
     kernels = [e for e in events if device_us(e) > 0 and e.device_type == torch.autograd.DeviceType.CUDA] if cuda else []
     busy = sum(device_us(e) for e in kernels) / 1e3 / steps
     ranked = sorted(kernels, key=device_us, reverse=True)
-    return wall, busy, [(e.key, device_us(e) / 1e3 / steps, e.count / steps) for e in ranked]
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0]
+    host.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return (
+        wall,
+        busy,
+        [(e.key, device_us(e) / 1e3 / steps, e.count / steps) for e in ranked],
+        [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in host],
+    )
 
 
 def _shape_of(name: str) -> str:
@@ -113,16 +120,20 @@ def main() -> None:
         (tokens[i : i + args.batch, :-1], tokens[i : i + args.batch, 1:])
         for i in range(0, len(tokens), args.batch)
     ]
-    summary, profiles = [], {}
+    summary, profiles, host_profiles = [], {}, {}
     for name in a.configs.split(","):
         model, _ = bench_e2e.build(
             config, state, device, "patched" in name, not a.bias_in_dropout, not a.no_linear_dropout
         )
         if name.startswith("compile"):  # the warm-up steps in profile() compile it
             model = torch.compile(model)
-        wall, busy, kernels = profile(model, batches, a.steps, device)
+        wall, busy, kernels, host = profile(model, batches, a.steps, device)
         launches = sum(n for _, _, n in kernels)
-        summary.append([name, f"{wall:.2f}", f"{busy:.2f}", f"{wall - busy:.2f}", f"{launches:.0f}"])
+        host_ms = sum(ms for _, ms, _ in host)
+        summary.append(
+            [name, f"{wall:.2f}", f"{busy:.2f}", f"{wall - busy:.2f}", f"{launches:.0f}", f"{host_ms:.2f}"]
+        )
+        host_profiles[name] = host
         print(f"--- {name}: top kernels (ms per step, calls per step)")
         rows = [[k[:70], f"{ms:.3f}", f"{n:.0f}"] for k, ms, n in kernels[:15]]
         print(tabulate(rows, headers=["kernel", "ms", "calls"]))
@@ -135,7 +146,9 @@ def main() -> None:
         print(f"--- kernels that differ most: {first} -> {second} (ms and calls per step)")
         heads = ["kernel", f"ms {first}", f"ms {second}", "diff", f"calls {first}", f"calls {second}"]
         print(tabulate(diff(profiles[first], profiles[second]), headers=heads))
-    heads = ["config", "wall ms/step", "kernel ms/step", "not kernel", "kernels/step"]
+        print("--- host ops that differ most (self CPU ms and calls per step, under the profiler)")
+        print(tabulate(diff(host_profiles[first], host_profiles[second]), headers=heads))
+    heads = ["config", "wall ms/step", "kernel ms/step", "not kernel", "kernels/step", "host op ms/step"]
     print(tabulate(summary, headers=heads))
 
 
