@@ -190,14 +190,54 @@ def measure_row(pair, M, dtype, activation, mode, args, backend_names) -> dict:
     if "triton" in entries:
         row["valid"] = _validate(entries["triton"], mode, x, w, b, gy, activation)
     rep_ms = max(args.rep_ms, 8 * row["floor_ms"])  # at least ~5 timed runs on the big shapes
-    for name, fn in entries.items():
-        ms, err = _measure(_timed(fn, mode, x, w, b, gy), rep_ms)
+    runs = {name: _timed(fn, mode, x, w, b, gy) for name, fn in entries.items()}
+    runs["torch.mm"] = _mm_ceiling(mode, x, w, gy)
+    for name, ms in interleaved(runs, rep_ms, args.rounds, row).items():
         row[f"ms:{name}"] = ms
-        if err:
-            row[f"error:{name}"] = err
-    row["ms:torch.mm"], _ = _measure(_mm_ceiling(mode, x, w, gy), rep_ms)
     _ratios(row, M, N, K, mode)
     return row
+
+
+def interleaved(runs: dict[str, Callable[[], object]], rep_ms: float, rounds: int, row: dict) -> dict:
+    """Median ms of each entry over ``rounds`` rounds, each round timing every entry once (do_bench,
+    ``rep_ms / rounds``) in an order rotated from round to round. The H200's clock follows its power
+    and temperature: the same kernel measured a few seconds apart differed by up to 10% (sweep_epilogue,
+    session 10), so ratios between entries timed one after another carried that drift; within a round
+    the entries see the same clock. ``spread:NAME`` in ``row``: (max - min) / median over the rounds.
+    An entry whose first (untimed) call fails is left out, its error in ``row``."""
+    alive = {}
+    for name, fn in runs.items():
+        _, err = _measure_once(fn)
+        if err:
+            row[f"error:{name}"] = err
+        else:
+            alive[name] = fn
+    samples: dict[str, list[float]] = {name: [] for name in alive}
+    names = list(alive)
+    per_round = max(5, int(rep_ms / rounds))
+    for r in range(rounds if names else 0):
+        first = r % len(names)
+        for name in names[first:] + names[:first]:
+            ms = common.time_ms(alive[name], warmup_ms=max(5, per_round // 4), rep_ms=per_round)
+            samples[name].append(ms)
+    out = {}
+    for name, got in samples.items():
+        got.sort()
+        out[name] = got[len(got) // 2]
+        if rounds > 1:
+            row[f"spread:{name}"] = (got[-1] - got[0]) / out[name]
+    return out
+
+
+def _measure_once(fn: Callable[[], object]) -> tuple[None, Optional[str]]:
+    """One untimed call (compiles, allocations): None, or the error that stopped it."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return None, None
+    except Exception as err:  # one failing entry must not end the run
+        torch.cuda.synchronize()
+        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
 
 
 def add_compiled(row: dict, args) -> None:
@@ -372,7 +412,8 @@ def main() -> None:
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile rows")
     p.add_argument("--all-backends", action="store_true", help="per-shape compilers on every row, not FOCUS")
     p.add_argument("--budget-s", type=float, help="start no row after this many seconds (210; quick 45)")
-    p.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per entry (ms)")
+    p.add_argument("--rep-ms", type=int, default=60, help="do_bench time per entry (ms), over all rounds")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per row (median)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_fused_linear needs a CUDA GPU (timings on the interpreter mean nothing)")

@@ -58,11 +58,14 @@ def _pairs(device: torch.device) -> list[tuple[str, str, Callable, Callable, Cal
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--devices", default="cpu,cuda", help="of cpu,cuda (cuda where present)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    wanted = args.devices.split(",")
+    devices = [torch.device("cpu")] if "cpu" in wanted else []
+    devices += [torch.device("cuda")] if "cuda" in wanted and torch.cuda.is_available() else []
     rows = []
     for device in devices:
         for op, backend, a, d, an, dn in _pairs(device):
@@ -82,6 +85,7 @@ def main() -> None:
                         fn()
                     best[name] = min(bench._per_call_us(fn, args.calls, device) for _ in range(args.rounds))
                 gc.enable()
+                print(device.type, op, backend, f"gc {gc_on}", {k: round(v, 2) for k, v in best.items()}, flush=True)
                 rows.append(
                     [device.type, op, backend, "on" if gc_on else "off"]
                     + [round(best[k], 2) for k in loops]
