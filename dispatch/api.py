@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -88,14 +88,33 @@ def _bias_act_dropout_impl(key: tuple, x: Tensor) -> object:
     return _impls[key]
 
 
+def fused_linear_training(
+    impl: Any, activation: str
+) -> Callable[[Tensor, Tensor, Optional[Tensor], str], Tensor]:
+    """How a fused_linear call with autograd runs on the op module ``impl``: its ``differentiable``
+    function where it offers one for ``activation`` (ops that torch's autograd differentiates, no Python
+    Function around them), else ``impl.forward``/``impl.backward`` in ``_FusedLinear``."""
+    native = getattr(impl, "differentiable", None)
+    fn = native(activation) if native is not None else None
+    if fn is not None:
+        return fn
+    apply = _FusedLinear.apply
+
+    def with_function(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
+        return apply(x, weight, bias, impl, activation)
+
+    return with_function
+
+
 def _fused_linear_impl(key: tuple, x: Tensor) -> object:
-    """A cache miss: decide, cache, return the op module for calls with autograd, its inference function
-    (registry.fused_linear_inference: infer or forward's y, looked up once, not per call) for the others."""
+    """A cache miss: decide, cache, return the function that runs such calls, resolved once per decision:
+    ``fused_linear_training`` for calls with autograd, ``registry.fused_linear_inference`` (infer or
+    forward's y) for the others. Both take (x, weight, bias, activation)."""
     _, _, dtype, m, n, k, activation, grad = key[:8]
     select(
         key,
         lambda: Call("fused_linear", x.device, dtype, (m, n, k), activation, False, grad),
-        None if grad else fused_linear_inference,
+        (lambda impl: fused_linear_training(impl, activation)) if grad else fused_linear_inference,
     )
     return _impls[key]
 
@@ -284,13 +303,10 @@ def fused_linear(
             "fused_linear", _device_key(x), x.dtype, x2d.shape[0], n, k, activation, grad,
             *request_key(backend),
         )  # fmt: skip
-    impl = _impls_get(key)  # the op module with autograd, its inference function without (_fused_linear_impl)
-    if impl is None:
-        impl = _fused_linear_impl(key, x)
-    if grad:
-        y = _FusedLinear.apply(x2d, weight, bias, impl, activation)
-    else:
-        y = impl(x2d, weight, bias, activation)
+    run = _impls_get(key)  # with autograd or without, resolved per decision (_fused_linear_impl)
+    if run is None:
+        run = _fused_linear_impl(key, x)
+    y = run(x2d, weight, bias, activation)
     if x2d is x:
         return y
     # integer arguments: view(*shape[:-1], n) slices a torch.Size first, ~0.7 us more

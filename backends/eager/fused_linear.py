@@ -11,7 +11,7 @@ else the table's derivative on float32 copies. (Until session 8 every activation
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,16 @@ def traced(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -
     model writes them, in x's dtype (inductor rounds its fused epilogue once; explicit float32 casts
     would only add graph nodes)."""
     return ACTIVATIONS[activation].forward(F.linear(x, weight, bias))
+
+
+def differentiable(activation: str) -> Optional[Callable[[Tensor, Tensor, Optional[Tensor], str], Tensor]]:
+    """How a call with autograd runs here: ``traced`` under torch's own autograd where ``activation``
+    has PyTorch kernels both ways (the kernels ``forward`` and ``backward`` launch, so the same
+    numbers and saved tensors), None otherwise (the dispatcher wraps ``forward``/``backward`` in its
+    autograd.Function). That Function's Python costs host time in forward and backward (measured in
+    benchmarks/NOTES.md, session 10), paid 24 times a step by patched GPT-2, whose training
+    fused_linear calls all come here in bf16."""
+    return traced if ACTIVATIONS[activation].native and ACTIVATIONS[activation].backward else None
 
 
 def backward(
