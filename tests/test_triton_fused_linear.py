@@ -234,7 +234,7 @@ def test_epilogue_split_and_warp_specialize(variant, n, device):
     either half: N = 21 with 16-column tiles) and tl.range's warp specialization; forward with its
     pre-activation, grad_pre with the bias's column sums, and the plain products all match."""
     base = matmul.CONFIG_INTERPRETER if device == "cpu" else matmul.CONFIGS_16[0]
-    config = dataclasses.replace(base, epilogue_split=2, warp_specialize=device == "cpu")
+    config = dataclasses.replace(base, epilogue_split=2, warp_specialize=True)
     x, weight, bias = _inputs((37, 40), n, torch.bfloat16, device)
     grad_y = torch.randn(37, n, device=device).to(torch.bfloat16)
     with matmul.options(variant=variant, config=config):

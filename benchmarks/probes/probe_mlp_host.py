@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--profile", type=int, default=2000, help="cProfile this many steps of the fused modules")
     args = p.parse_args()
     from transformers import GPT2Config
     from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
@@ -101,6 +102,28 @@ def main() -> None:
     ]
     print(f"host us per forward + backward ({device.type}, {args.tokens} tokens, bf16 autocast)")
     print(tabulate(rows, headers=["variant", "median us", "min us", "vs original MLP"]))
+    for name in ("FusedBiasActDropout(0.1)", "FusedLinear(gelu_tanh)", "nn.Dropout(0.1)"):
+        if args.profile:
+            _profile(name, variants[name][0], args.profile, cuda)
+
+
+def _profile(name: str, step: Callable[[], None], calls: int, cuda: bool) -> None:
+    """Where the host time of ``step`` goes, by Python function (cProfile, its own overhead included)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    print(f"--- cProfile, {name}, {calls} steps (tottime = own time, not counting callees)")
+    print("\n".join(line for line in out.getvalue().splitlines()[6:] if line.strip()))
 
 
 if __name__ == "__main__":
