@@ -66,7 +66,7 @@ for arg in "$@"; do
     bench_bad_quick) stage bench_bad_quick "$limit" python3 benchmarks/bench_bias_act_dropout.py --quick --out "$R" ;;
     bench_linear) stage bench_linear "$limit" python3 benchmarks/bench_fused_linear.py --out "$R" ;;
     bench_linear_variants) stage bench_linear_variants "$limit" python3 benchmarks/bench_fused_linear.py --quick --variants --out "$R" ;;
-    bench_linear_quick) stage bench_linear_quick "$limit" python3 benchmarks/bench_fused_linear.py --quick --out "$R" ;;
+    bench_linear_quick) stage bench_linear_quick "$limit" python3 benchmarks/bench_fused_linear.py --quick ${BENCH_LINEAR_ARGS:-} --out "$R" ;;
     sweep_epilogue) stage sweep_epilogue "$limit" python3 benchmarks/probes/sweep_fused_linear.py --set epilogue --acts gelu_tanh,gelu,relu --out "$R" ;;
     # bench_e2e at another batch size (bench_e2e_batch16: 16 sequences), E2E_STEPS steps of E2E_CONFIGS
     bench_e2e_batch*)

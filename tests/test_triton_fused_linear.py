@@ -343,6 +343,20 @@ def test_tma_variants_gpu(variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ("tma", "tma_store"))
+@pytest.mark.parametrize("activation", ("gelu_tanh", "silu"))
+def test_epilogue_split_and_warp_specialize_gpu(variant, activation):
+    """The TMA kernel's Config knobs at a real size on sm_90: half-tile epilogues, warp specialization."""
+    config = dataclasses.replace(matmul.CONFIGS_16[0], epilogue_split=2, warp_specialize=True)
+    x, weight, bias = _inputs((2048, 1024), 4096 - 8, torch.bfloat16, "cuda")  # N: a partial last tile
+    grad_y = torch.randn(2048, 4096 - 8, device="cuda").to(torch.bfloat16)
+    with matmul.options(variant=variant, config=config):
+        assert matmul.plan(x, weight.t())[:2] == (config, variant)
+        result = run_api(x, weight, bias, activation, grad_y)
+    assert_matches(*result, x, weight, bias, activation, grad_y)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("saved", (True, False), ids=("saved", "recompute"))
 def test_deterministic_gpu(saved):
     x, weight, bias = _inputs((2048, 1024), 4096, torch.bfloat16, "cuda")
