@@ -40,7 +40,7 @@ for arg in "$@"; do
     env) stage env "$limit" bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m dispatch.info' ;;
     gputests) stage gputests "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=10 ${GPU_K:+-k "$GPU_K"} ${GPU_TESTS:-tests} ;;
     gputests2) stage gputests2 "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=10 ${GPU_K2:+-k "$GPU_K2"} ${GPU_TESTS2:-tests} ;;
-    tests_act) stage tests_act "$limit" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_triton_fused_linear.py tests/test_triton_bias_act_dropout.py tests/test_fused_linear.py -k "epilogue_split or gelu_tanh or silu" ;;
+    tests_act) stage tests_act "$limit" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_triton_fused_linear.py tests/test_triton_bias_act_dropout.py -k "epilogue_split or gelu_tanh or silu" ;;
     pytest) stage pytest "$limit" python3 -m pytest -q -p no:cacheprovider -rfE ${PYTEST_ARGS:?} ;;
     cputests) stage cputests "$limit" python3 -m pytest -q -p no:cacheprovider -x tests ;;
     tests_b) stage tests_b "$limit" python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests/test_triton_bias_act_dropout.py tests/test_rng.py tests/test_compiled_backends.py tests/test_compile.py tests/test_nn.py tests/test_dispatch.py tests/test_patch.py tests/test_parity_cli.py tests/test_heuristics.py tests/test_fuzz.py tests/test_triton_fused_linear.py tests/test_fused_linear.py ;;
