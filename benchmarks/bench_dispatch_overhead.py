@@ -76,20 +76,15 @@ def _paired_us(api: Callable[[], object], direct: Callable[[], object], calls: i
     clock = time.perf_counter_ns
     diffs = []
     for i in range(calls):
-        if i & 1:
-            t0 = clock()
-            direct()
-            t1 = clock()
-            api()
-            t2 = clock()
-            diffs.append((t2 - t1 - (t1 - t0)) / 1e3)
-        else:
-            t0 = clock()
-            api()
-            t1 = clock()
-            direct()
-            t2 = clock()
-            diffs.append((t1 - t0 - (t2 - t1)) / 1e3)
+        api_first = i % 2 == 0
+        first, second = (api, direct) if api_first else (direct, api)
+        t0 = clock()
+        first()
+        t1 = clock()
+        second()
+        t2 = clock()
+        api_ns, direct_ns = (t1 - t0, t2 - t1) if api_first else (t2 - t1, t1 - t0)
+        diffs.append((api_ns - direct_ns) / 1e3)
     return diffs
 
 

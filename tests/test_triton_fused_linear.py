@@ -273,7 +273,7 @@ def test_config_rule():
     assert pick == {
         (2048, 3072): "128x128x64/w8/s4",
         (8192, 16384): "128x256x64/w8/s3",
-        (128, 3072): "64x128x64/w4/s4",
+        (128, 3072): "64x128x64/w4/s4/c2",
     }
     for cfg, size in [(c, 2) for c in matmul.CONFIGS_16] + [(c, 4) for c in matmul.CONFIGS_32]:
         smem = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * size

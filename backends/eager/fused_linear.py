@@ -60,9 +60,9 @@ def differentiable(activation: str) -> Optional[Callable[[Tensor, Tensor, Option
     """How a call with autograd runs here: ``traced`` under torch's own autograd where ``activation``
     has PyTorch kernels both ways (the kernels ``forward`` and ``backward`` launch, so the same
     numbers and saved tensors), None otherwise (the dispatcher wraps ``forward``/``backward`` in its
-    autograd.Function). That Function's Python costs host time in forward and backward (measured in
-    benchmarks/NOTES.md, session 10), paid 24 times a step by patched GPT-2, whose training
-    fused_linear calls all come here in bf16."""
+    autograd.Function). That Function's Python cost 100-120 us of host time per GPT-2 MLP block (two
+    calls, forward and backward) on the H200's host (benchmarks/NOTES.md, session 10), where patched
+    GPT-2 sends every bf16 training fused_linear call."""
     return traced if ACTIVATIONS[activation].native and ACTIVATIONS[activation].backward else None
 
 

@@ -311,7 +311,8 @@ class Config:
     epilogue_split: int = 1  # TMA variants: 2 runs the epilogue on each half of the tile's columns
 
     def __str__(self) -> str:
-        extra = "/ws" if self.warp_specialize else ""
+        extra = f"/c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else ""
+        extra += "/ws" if self.warp_specialize else ""
         extra += f"/e{self.epilogue_split}" if self.epilogue_split > 1 else ""
         return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.num_warps}/s{self.num_stages}{extra}"
 
