@@ -46,7 +46,10 @@ class FusedLinearImpl(Protocol):
     x @ W^T + b in x's dtype. backward recomputes the pre-activation when ``saved`` is None and the
     activation needs it. Optional: ``infer(x, weight, bias, activation) -> y``, used for calls without
     autograd by a backend whose forward would keep something for backward (triton's pre-activation);
-    without it those calls take forward's y."""
+    without it those calls take forward's y. Optional: ``differentiable(activation)``, a function of
+    (x, weight, bias, activation) that torch's own autograd differentiates, or None; calls with autograd
+    use it where it is given (eager: no Python autograd.Function around PyTorch's own kernels), else
+    forward and backward wrapped in the dispatcher's Function (``dispatch.api.fused_linear_training``)."""
 
     def forward(
         self, x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str

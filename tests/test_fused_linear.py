@@ -14,6 +14,7 @@ import torch
 from backends.eager import fused_linear as eager_op
 from dispatch import ACTIVATION_NAMES, fused_linear
 from dispatch.registry import Call, backends
+from dispatch.select import clear_cache
 from dispatch.tolerances import check
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -157,6 +158,32 @@ def test_gradient_subsets(backend, activation, subset, device):
     x, weight, bias = _inputs((3, 5, 24), 17, torch.float32, device, needs)
     require(backend, x, 17, activation, training=any(needs))
     assert_parity(backend, x, weight, bias, activation, torch.randn(3, 5, 17, device=device))
+
+
+@pytest.mark.parametrize("activation", ACTIVATION_NAMES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_eager_training_path(activation, dtype, device, monkeypatch):
+    """Eager calls with autograd run under torch's own autograd where the activation has PyTorch kernels
+    both ways (no Python Function node in the graph), through the Function otherwise; the two paths give
+    the same outputs and gradients within the dtype's tolerance."""
+    x, weight, bias = _inputs((37, 24), 19, dtype, device)
+    grad_y = torch.randn(37, 19, device=device)
+    y, grads = run("eager", x, weight, bias, activation, grad_y)
+    act = eager_op.ACTIVATIONS[activation]
+    native = act.native and act.backward is not None
+    assert ("_FusedLinear" not in type(y.grad_fn).__name__) == native, type(y.grad_fn).__name__
+    monkeypatch.setattr(eager_op, "differentiable", lambda activation: None)
+    clear_cache()  # the path is resolved once per decision
+    try:
+        y_fn, grads_fn = run("eager", x, weight, bias, activation, grad_y)
+    finally:
+        monkeypatch.undo()
+        clear_cache()
+    assert "_FusedLinear" in type(y_fn.grad_fn).__name__
+    ref, ref_grads = reference(x, weight, bias, activation, grad_y, upcast=True)
+    check("y", y.detach(), ref.detach(), y_fn.detach())
+    for name, g, r, b in zip(NAMES, grads, ref_grads, grads_fn):
+        check(name, g, r, b)
 
 
 @pytest.mark.parametrize("activation", ACTIVATION_NAMES)
