@@ -41,7 +41,8 @@ for arg in "$@"; do
     gputests) stage gputests "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=10 ${GPU_K:+-k "$GPU_K"} ${GPU_TESTS:-tests} ;;
     gputests2) stage gputests2 "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=10 ${GPU_K2:+-k "$GPU_K2"} ${GPU_TESTS2:-tests} ;;
     tests_act) stage tests_act "$limit" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_triton_fused_linear.py tests/test_triton_bias_act_dropout.py -k "epilogue_split or gelu_tanh or silu" ;;
-    pytest) stage pytest "$limit" python3 -m pytest -q -p no:cacheprovider -rfE ${PYTEST_ARGS:?} ;;
+    # PYTEST_ARGS is parsed by a shell again, so quoted -k expressions survive ("-k 'a or b'")
+    pytest) stage pytest "$limit" bash -c "python3 -m pytest -q -p no:cacheprovider -rfE ${PYTEST_ARGS:?}" ;;
     cputests) stage cputests "$limit" python3 -m pytest -q -p no:cacheprovider -x tests ;;
     tests_b) stage tests_b "$limit" python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests/test_triton_bias_act_dropout.py tests/test_rng.py tests/test_compiled_backends.py tests/test_compile.py tests/test_nn.py tests/test_dispatch.py tests/test_patch.py tests/test_parity_cli.py tests/test_heuristics.py tests/test_fuzz.py tests/test_triton_fused_linear.py tests/test_fused_linear.py ;;
     tests_v) stage tests_v "$limit" python3 -m pytest -v -p no:cacheprovider -rfE tests/test_compiled_backends.py::test_compiled_dropout_masks_gpu tests/test_compiled_backends.py::test_nvfuser_and_inductor_float32_refuse_dropout_on_cuda_gpu tests/test_bias_act_dropout.py tests/test_compile.py tests/test_rng.py::test_draw_for_forms_and_seeding tests/test_nn.py::test_cuda_graph_replays_draw_new_masks tests/test_triton_bias_act_dropout.py -m "gpu or not gpu" -k "gpu or compile or draw_for or rows_kernel or host_rng" ;;
