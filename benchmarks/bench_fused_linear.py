@@ -155,15 +155,23 @@ def _validate(fn: Callable, mode: str, x, w, b, gy, activation: str) -> str:
     return "; ".join(bad) or "ok"
 
 
-def _measure(fn: Callable[[], object], rep_ms: float) -> tuple[Optional[float], Optional[str]]:
-    """Median ms of ``fn`` after one untimed call (compiles), or the error that stopped it."""
+def _first_call(fn: Callable[[], object]) -> Optional[str]:
+    """One untimed call (compiles, allocations): None, or the error that stopped it."""
     try:
         fn()
         torch.cuda.synchronize()
-        return common.time_ms(fn, warmup_ms=max(5, int(rep_ms) // 4), rep_ms=int(rep_ms)), None
+        return None
     except Exception as err:  # one failing entry must not end the run
         torch.cuda.synchronize()
-        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+
+
+def _measure(fn: Callable[[], object], rep_ms: float) -> tuple[Optional[float], Optional[str]]:
+    """Median ms of ``fn`` after one untimed call (compiles), or the error that stopped it."""
+    err = _first_call(fn)
+    if err:
+        return None, err
+    return common.time_ms(fn, warmup_ms=max(5, int(rep_ms) // 4), rep_ms=int(rep_ms)), None
 
 
 def measure_row(pair, M, dtype, activation, mode, args, backend_names) -> dict:
@@ -207,7 +215,7 @@ def interleaved(runs: dict[str, Callable[[], object]], rep_ms: float, rounds: in
     An entry whose first (untimed) call fails is left out, its error in ``row``."""
     alive = {}
     for name, fn in runs.items():
-        _, err = _measure_once(fn)
+        err = _first_call(fn)
         if err:
             row[f"error:{name}"] = err
         else:
@@ -227,17 +235,6 @@ def interleaved(runs: dict[str, Callable[[], object]], rep_ms: float, rounds: in
         if rounds > 1:
             row[f"spread:{name}"] = (got[-1] - got[0]) / out[name]
     return out
-
-
-def _measure_once(fn: Callable[[], object]) -> tuple[None, Optional[str]]:
-    """One untimed call (compiles, allocations): None, or the error that stopped it."""
-    try:
-        fn()
-        torch.cuda.synchronize()
-        return None, None
-    except Exception as err:  # one failing entry must not end the run
-        torch.cuda.synchronize()
-        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
 
 
 def add_compiled(row: dict, args) -> None:

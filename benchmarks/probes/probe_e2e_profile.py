@@ -19,7 +19,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from tabulate import tabulate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
@@ -27,23 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import bench_e2e  # noqa: E402
 
 
-def step(model, opt, x, y) -> None:
-    """One training step as bench_e2e.train takes it (clipping and the fused AdamW included)."""
-    with torch.autocast(x.device.type, dtype=torch.bfloat16):
-        logits = model(input_ids=x).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
 def profile(model, batches, steps: int, device: torch.device) -> tuple[float, float, list, list]:
     """(wall ms per step, kernel ms per step, [(kernel name, ms per step, calls per step)] for every
     kernel, the longest first, and the same for host ops by their self CPU time)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     for x, y in batches[:3]:  # warm-up: compiles, decisions, allocator
-        step(model, opt, x, y)
+        bench_e2e.step(model, opt, x, y, device)
     cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     if cuda:
@@ -51,7 +39,7 @@ def profile(model, batches, steps: int, device: torch.device) -> tuple[float, fl
     start = time.perf_counter()
     with torch.profiler.profile(activities=activities) as prof:
         for x, y in batches[3 : 3 + steps]:
-            step(model, opt, x, y)
+            bench_e2e.step(model, opt, x, y, device)
         if cuda:
             torch.cuda.synchronize()
     wall = (time.perf_counter() - start) * 1e3 / steps

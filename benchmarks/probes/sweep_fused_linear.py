@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from backends.triton import fused_linear as triton_op  # noqa: E402
 from backends.triton import matmul  # noqa: E402
+from dispatch.activations import ACTIVATIONS  # noqa: E402
 from dispatch.registry import backends  # noqa: E402
 from dispatch.tolerances import check  # noqa: E402
 
@@ -109,7 +110,7 @@ def main() -> None:
         tflop = 2 * M * N * K / 1e12
         base = {"torch.mm": ms(lambda: torch.mm(x, w.t()))}
         for a in acts:
-            base[f"F.linear+{a}"] = ms(lambda: _torch_act(F.linear(x, w, b), a))
+            base[f"F.linear+{a}"] = ms(lambda: ACTIVATIONS[a].forward(F.linear(x, w, b)))
             if cublaslt is not None and not cublaslt.not_supported_reasons(_call(x, w, a), explicit=True):
                 op = cublaslt.ops["fused_linear"]
                 base[f"cublaslt {a}"] = ms(lambda: op.forward(x, w, b, a))
@@ -155,13 +156,6 @@ def main() -> None:
         name = "sweep_fused_linear_epilogue.json" if epilogue_set else "sweep_fused_linear.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "records": records}, f, indent=1)
-
-
-def _torch_act(z, act: str):
-    """PyTorch's own activation kernels (the eager baseline F.linear + act)."""
-    if act in ("gelu", "gelu_tanh"):
-        return F.gelu(z, approximate="tanh" if act == "gelu_tanh" else "none")
-    return getattr(F, act)(z)
 
 
 def _call(x, w, act):
