@@ -1,7 +1,10 @@
 """Drop-in modules over the two fused ops: ``FusedLinear`` and ``FusedBiasActDropout``.
 
 ``FusedLinear`` is ``nn.Linear`` followed by an activation: same parameters (``weight`` (out, in),
-``bias`` (out,)), same initialization, so an ``nn.Linear`` state_dict loads unchanged.
+``bias`` (out,)), same initialization, so an ``nn.Linear`` state_dict loads unchanged. With
+``transposed=True`` it stores the weight (in, out) as Hugging Face's ``Conv1D`` does (whose state_dict
+then loads unchanged) and passes the op its transposed view: cuBLAS and the Triton kernels read either
+layout in place, and under ``torch.compile`` the GEMMs are the Conv1D's own.
 ``FusedBiasActDropout`` owns a bias and computes Dropout(Activation(x + bias)) in one pass.
 
 Autocast: under ``torch.autocast`` for x's device type with a half dtype (float16, bfloat16), x,
@@ -58,6 +61,9 @@ class FusedLinear(nn.Module):
     Equivalent PyTorch::
 
         act(nn.Linear(in_features, out_features, bias)(x))
+
+    ``transposed``: ``weight`` is stored (in_features, out_features), Hugging Face ``Conv1D``'s layout
+    (``dispatch.patch`` reuses a Conv1D's parameter this way); the function is the same.
     """
 
     def __init__(
@@ -68,14 +74,20 @@ class FusedLinear(nn.Module):
         activation: str = "identity",
         device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
+        *,
+        transposed: bool = False,
     ) -> None:
         super().__init__()
         get_activation(activation)
+        if type(transposed) is not bool:
+            raise TypeError(f"transposed must be a bool, got {transposed!r}")
         self.in_features = in_features
         self.out_features = out_features
         self.activation = activation
+        self.transposed = transposed
         factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
+        shape = (in_features, out_features) if transposed else (out_features, in_features)
+        self.weight = nn.Parameter(torch.empty(shape, **factory))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, **factory))
         else:
@@ -85,13 +97,17 @@ class FusedLinear(nn.Module):
     def reset_parameters(self) -> None:
         """nn.Linear's initialization: weight U(-1/sqrt(in), 1/sqrt(in)) via kaiming_uniform(a=sqrt(5)),
         bias U(-1/sqrt(in), 1/sqrt(in))."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        nn.init.kaiming_uniform_(self._weight_out_in(), a=math.sqrt(5))  # fan_in from in_features
         if self.bias is not None:
             bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
             nn.init.uniform_(self.bias, -bound, bound)
 
+    def _weight_out_in(self) -> Tensor:
+        """The weight as (out_features, in_features): the parameter or its transposed view."""
+        return self.weight.t() if self.transposed else self.weight
+
     def forward(self, x: Tensor) -> Tensor:
-        weight, bias = self.weight, self.bias
+        weight, bias = self._weight_out_in(), self.bias
         dtype = _autocast_dtype(x)
         if dtype is not None:
             x, weight, bias = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
@@ -101,6 +117,7 @@ class FusedLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, activation={self.activation!r}"
+            + (", transposed=True" if self.transposed else "")
         )
 
 

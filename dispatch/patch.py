@@ -18,9 +18,10 @@ Where it looks: Hugging Face blocks by class (``_HF_BLOCKS``: GPT-2's MLP, BERT'
 blocks), and every ``nn.Sequential`` (Linear, then a known activation and/or ``nn.Dropout``). Hugging
 Face is never imported: blocks are recognized by class name and module. The modules keep their
 attribute names, so the blocks' own ``forward`` runs unchanged. Parameters are reused, not copied
-(an optimizer built before patching still holds them), except GPT-2's ``Conv1D`` weights, stored
-(in, out), which become new (out, in) parameters: patch before building the optimizer, and note that
-the patched state_dict differs (a ``Conv1D`` weight transposed; a bias that moved to ``<dropout>.bias``).
+(an optimizer built before patching still holds them): GPT-2's ``Conv1D`` weights, stored (in, out),
+keep that layout in ``FusedLinear(transposed=True)``, so the GEMMs read the original operands and the
+state_dict keeps its shapes (a bias moved into the dropout pass is the one renamed entry,
+``<dropout>.bias``, with ``bias_in_linear=False`` or an activation before the dropout).
 """
 
 from __future__ import annotations
@@ -106,17 +107,14 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
 
 
-def _linear_parts(module: nn.Module) -> tuple[nn.Parameter, Optional[nn.Parameter]]:
-    """(weight (out, in), bias) of an nn.Linear (same parameters) or a Conv1D (weight transposed)."""
-    if _is_conv1d(module):
-        w = module.weight
-        return nn.Parameter(w.detach().t().contiguous(), requires_grad=w.requires_grad), module.bias
-    return module.weight, module.bias
+def _features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) of an nn.Linear (weight (out, in)) or a Conv1D (weight (in, out))."""
+    w = module.weight
+    return (w.shape[0], w.shape[1]) if _is_conv1d(module) else (w.shape[1], w.shape[0])
 
 
 def _describe_linear(module: nn.Module) -> str:
-    w = module.weight
-    n_in, n_out = (w.shape[0], w.shape[1]) if _is_conv1d(module) else (w.shape[1], w.shape[0])
+    n_in, n_out = _features(module)
     return f"{type(module).__name__}({n_in}->{n_out})"
 
 
@@ -163,23 +161,26 @@ def _rewrite(parent: nn.Module, path: str, run: _Run, bias_in_linear: bool = Tru
     if drop is not None:
         before.append(f"{run.drop}=Dropout(p={p})")
 
-    weight, bias = _linear_parts(linear)
-    n_out, n_in = weight.shape
+    weight, bias = linear.weight, linear.bias
+    n_in, n_out = _features(linear)
     meta = {"device": "meta", "dtype": weight.dtype}  # skips initialization: the parameters are set below
+    transposed = _is_conv1d(linear)  # a Conv1D's weight keeps its (in, out) layout
     if p > 0.0 and bias_in_linear and activation == "identity":  # the bias in the GEMM's epilogue
-        fused = FusedLinear(n_in, n_out, bias=bias is not None, **meta)
+        fused = FusedLinear(n_in, n_out, bias=bias is not None, **meta, transposed=transposed)
         if bias is not None:
             fused.bias = bias
         tail = FusedBiasActDropout(n_out, activation, p, bias=False, **meta).train(drop.training)
         after = f"{run.linear}=FusedLinear() + {run.drop}=FusedBiasActDropout(identity, p={p}, bias=False)"
     elif p > 0.0:
-        fused = FusedLinear(n_in, n_out, bias=False, **meta)
+        fused = FusedLinear(n_in, n_out, bias=False, **meta, transposed=transposed)
         tail = FusedBiasActDropout(n_out, activation, p, bias=bias is not None, **meta).train(drop.training)
         if bias is not None:
             tail.bias = bias
         after = f"{run.linear}=FusedLinear(bias=False) + {run.drop}=FusedBiasActDropout({activation}, p={p})"
     else:
-        fused = FusedLinear(n_in, n_out, bias=bias is not None, activation=activation, **meta)
+        fused = FusedLinear(
+            n_in, n_out, bias=bias is not None, activation=activation, **meta, transposed=transposed
+        )
         if bias is not None:
             fused.bias = bias
         tail = nn.Identity()

@@ -73,6 +73,38 @@ def test_fused_linear_loads_linear_state_dict_unchanged(bias):
     torch.testing.assert_close(back.weight, linear.weight, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("activation", ("gelu_tanh", "squared_relu"))
+def test_fused_linear_transposed_weight(activation, dtype):
+    """``transposed=True``: the weight stored (in, out) as Hugging Face's Conv1D does, initialized with
+    fan_in = in_features, the same function and gradients (the grad in the parameter's layout)."""
+    module = FusedLinear(96, 40, activation=activation, dtype=dtype, transposed=True)
+    assert module.weight.shape == (96, 40) and "transposed=True" in repr(module)
+    bound = 1.0 / math.sqrt(96)  # fan_in = 40 (the stored layout read as nn.Linear's) would give 0.158
+    largest = float(module.weight.detach().abs().max())
+    assert 0.9 * bound < largest <= bound * (1 + 2**-8)  # bf16 may round the bound up by half an ulp
+    x = _leaf(torch.randn(3, 5, 96, dtype=dtype))
+    grad_y = torch.randn(3, 5, 40, dtype=dtype)
+    params = [x, module.weight, module.bias]
+    y = module(x)
+    got = [y, *_grads(y, params, grad_y)]
+    assert got[2].shape == (96, 40)
+
+    def as_linear(t: torch.Tensor, upcast: bool) -> list[torch.Tensor]:
+        leaves = [_leaf(p.double() if upcast else p) for p in params]
+        out = linear_ref.reference(leaves[0], leaves[1].t(), leaves[2], activation, upcast=upcast)
+        return [out, *_grads(out, leaves, grad_y.double() if upcast else grad_y)]
+
+    ref, eager = as_linear(params, True), as_linear(params, False)
+    for name, out, r, e in zip(("y", "grad_x", "grad_weight", "grad_bias"), got, ref, eager):
+        check(name, out.detach(), r.detach(), e.detach())
+    twin = FusedLinear(96, 40, activation=activation, dtype=dtype, transposed=True)
+    twin.load_state_dict(module.state_dict(), strict=True)  # a Conv1D-shaped state_dict loads unchanged
+    torch.testing.assert_close(twin(x), y, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="transposed must be a bool"):
+        FusedLinear(3, 4, transposed=1)
+
+
 def test_fused_linear_initializes_like_linear():
     torch.manual_seed(3)
     linear = nn.Linear(256, 512)

@@ -190,7 +190,9 @@ def test_hf_activation_names():
 def test_gpt2_eval_same_logits(activation):
     original = _gpt2(activation).eval()
     patched = copy.deepcopy(original)
+    params = [id(p) for p in patched.parameters()]
     report = patch(patched)
+    assert [id(p) for p in patched.parameters()] == params  # reused, none copied: an optimizer keeps them
     assert [(r.path, r.block) for r in report.replaced] == [
         (f"transformer.h.{i}.mlp", "GPT2MLP") for i in (0, 0, 1, 1)
     ]
@@ -201,8 +203,12 @@ def test_gpt2_eval_same_logits(activation):
     # c_proj -> dropout: the bias stays in the GEMM (patch's default bias_in_linear=True)
     assert isinstance(mlp.c_proj, FusedLinear) and mlp.c_proj.bias is not None
     assert isinstance(mlp.dropout, FusedBiasActDropout) and mlp.dropout.p == 0.1 and mlp.dropout.bias is None
-    # Conv1D stores (in, out): the fused weight is its transpose
-    torch.testing.assert_close(mlp.c_fc.weight, original.transformer.h[0].mlp.c_fc.weight.t(), rtol=0, atol=0)
+    # Conv1D stores (in, out): the fused module keeps that layout, the same values, the same state_dict keys
+    assert mlp.c_fc.transposed and mlp.c_proj.transposed
+    torch.testing.assert_close(mlp.c_fc.weight, original.transformer.h[0].mlp.c_fc.weight, rtol=0, atol=0)
+    assert {k: v.shape for k, v in patched.state_dict().items()} == {
+        k: v.shape for k, v in original.state_dict().items()
+    }
     ids = torch.randint(0, 128, (2, 24))
     with torch.no_grad():
         _assert_same(patched(ids).logits, original(ids).logits)
@@ -223,7 +229,7 @@ def test_gpt2_training_without_dropout_same_loss_and_gradients():
     _assert_same(losses[1].detach(), losses[0].detach())
     for i in range(2):
         a, b = original.transformer.h[i].mlp.c_fc, patched.transformer.h[i].mlp.c_fc
-        _assert_same(b.weight.grad, a.weight.grad.t())
+        _assert_same(b.weight.grad, a.weight.grad)
         _assert_same(b.bias.grad, a.bias.grad)
 
 
