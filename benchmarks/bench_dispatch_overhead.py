@@ -2,9 +2,12 @@
 
 The overhead is everything the public op adds in steady state: argument checks, the reshape to 2-D,
 the cached decision and the final view. Both sides run on tiny tensors, so the time is host time:
-the direct side calls what the op would call (``impl.forward``, or the autograd glue when an input
-requires grad: fused_linear's resolved training function, bias_act_dropout's Function; plus the
-dropout draw when dropout is on). Timed with ``time.perf_counter`` over
+the direct side calls the chosen backend's op as a caller bypassing the dispatcher would (its
+``forward``, or the autograd glue when an input requires grad: fused_linear's resolved training
+function, bias_act_dropout's Function; plus the dropout draw when dropout is on). Where the op checks
+its own arguments (triton's bias_act_dropout), the public op, having checked them, calls its
+``trusted`` entry instead (``dispatch.registry.trusted``): the row's overhead is then what the
+dispatcher adds net of the check it saves. Timed with ``time.perf_counter`` over
 ``--calls`` back-to-back calls, median of ``--repeats`` samples, the two sides interleaved so that
 drift hits both, and the samples of every case spread over the whole run (passes over all cases).
 (``do_bench`` times device kernels; this is host time, so it is not used here.)

@@ -11,7 +11,7 @@ from torch import Tensor
 from dispatch import rng as dropout_rng
 from dispatch.activations import ACTIVATIONS
 from dispatch.checks import FLOAT_DTYPES, bias_act_dropout_args, check_backend, fused_linear_args
-from dispatch.registry import Call, fused_linear_inference
+from dispatch.registry import Call, fused_linear_inference, trusted
 from dispatch.select import ENV_VAR, Decision, _impls, _requested, decide, env_backend, request_key, select
 
 _is_compiling = torch.compiler.is_compiling  # bound once: the attribute chain costs ~0.1 us per call
@@ -81,10 +81,10 @@ def _device_key(x: Tensor) -> object:
 
 
 def _bias_act_dropout_impl(key: tuple, x: Tensor) -> object:
-    """A cache miss: decide, cache, return the op module. ``key``: the full call signature
-    (dispatch.select.request_key)."""
+    """A cache miss: decide, cache, return the op as the hot path calls it (``registry.trusted``: the
+    call is validated here). ``key``: the full call signature (dispatch.select.request_key)."""
     _, _, dtype, m, n, activation, dropout, grad = key[:8]
-    select(key, lambda: Call("bias_act_dropout", x.device, dtype, (m, n), activation, dropout, grad))
+    select(key, lambda: Call("bias_act_dropout", x.device, dtype, (m, n), activation, dropout, grad), trusted)
     return _impls[key]
 
 
@@ -331,16 +331,22 @@ def explain(op_name: str, *args: Any, **kwargs: Any) -> Decision:
 
 
 def _bias_act_dropout_call(
-    x: Tensor, bias: Optional[Tensor] = None, activation: str = "gelu", p: float = 0.0, training: bool = True, *, generator: Optional[torch.Generator] = None
+    x: Tensor,
+    bias: Optional[Tensor] = None,
+    activation: str = "gelu",
+    p: float = 0.0,
+    training: bool = True,
+    *,
+    generator: Optional[torch.Generator] = None,
 ) -> Call:
     x, bias, activation, p, dropout = bias_act_dropout_args(x, bias, activation, p, training, generator)
-    m = math.prod(x.shape[:-1])
-    return Call("bias_act_dropout", x.device, x.dtype, (m, x.shape[-1]), activation, dropout, _needs_grad(x, bias))
+    shape = (math.prod(x.shape[:-1]), x.shape[-1])
+    return Call("bias_act_dropout", x.device, x.dtype, shape, activation, dropout, _needs_grad(x, bias))
 
 
 def _fused_linear_call(
     x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "identity"
 ) -> Call:
     x, weight, bias, activation = fused_linear_args(x, weight, bias, activation)
-    m = math.prod(x.shape[:-1])
-    return Call("fused_linear", x.device, x.dtype, (m, weight.shape[0], x.shape[-1]), activation, False, _needs_grad(x, weight, bias))
+    shape = (math.prod(x.shape[:-1]), weight.shape[0], x.shape[-1])
+    return Call("fused_linear", x.device, x.dtype, shape, activation, False, _needs_grad(x, weight, bias))

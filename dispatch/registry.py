@@ -20,8 +20,11 @@ OPS = ("bias_act_dropout", "fused_linear")
 
 
 class BiasActDropoutImpl(Protocol):
-    """x is (M, N) with any strides, bias (N,) contiguous or None; rng is ``dispatch.rng``'s (seed, offset),
-    an int64 tensor or a ``HostRng``, or None (no dropout, p == 0). forward returns a new contiguous (M, N) tensor of x's dtype."""
+    """x is (M, N) with any strides, bias (N,) contiguous or None; rng is ``dispatch.rng``'s (seed,
+    offset), an int64 tensor or a ``HostRng``, or None (no dropout, p == 0). forward returns a new
+    contiguous (M, N) tensor of x's dtype. Optional: ``trusted``, an object with the same forward and
+    backward minus the op's own argument checks, which the dispatcher calls once it has validated the
+    call (``trusted``)."""
 
     def forward(
         self, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng]
@@ -38,6 +41,13 @@ class BiasActDropoutImpl(Protocol):
         need_x: bool,
         need_bias: bool,
     ) -> tuple[Optional[Tensor], Optional[Tensor]]: ...
+
+
+def trusted(impl: object) -> object:
+    """The op as the dispatcher calls it, after validating the call itself: ``impl.trusted`` where the
+    op offers one (the same functions without the op's own argument checks, which repeat the
+    dispatcher's), else ``impl``. Resolved once per decision."""
+    return getattr(impl, "trusted", impl)
 
 
 class FusedLinearImpl(Protocol):

@@ -275,6 +275,34 @@ def test_bad_input_is_named(device):
         triton_op.backward(x[:2], x, None, "relu", 0.0, None, True, False)
 
 
+def test_dispatcher_calls_the_trusted_entry_points(device, monkeypatch):
+    """The public op validates a call once: it runs ``triton_op.trusted`` (no second argument check),
+    with the checked functions' results; those still check when called directly."""
+    x = torch.randn(5, 16, device=device, requires_grad=True)
+    bias = torch.randn(16, device=device, requires_grad=True)
+    grad_y = torch.randn(5, 16, device=device)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        torch.manual_seed(0)  # the same (seed, offset) for every run
+        y = fused_bias_act_dropout(x, bias, "gelu", 0.25, backend="triton")
+        return y.detach(), *torch.autograd.grad(y, (x, bias), grad_y)
+
+    def refuse(*args):
+        raise AssertionError("the op's own check ran under the dispatcher")
+
+    monkeypatch.setattr(triton_op, "_check", refuse)
+    with pytest.raises(AssertionError, match="own check"):
+        triton_op.forward(x.detach(), bias.detach(), "gelu", 0.0, None)
+    got = run()
+    monkeypatch.undo()
+    torch.manual_seed(0)
+    rng = dropout_rng.draw_for(x)  # the public op's draw after that seed
+    args = (x.detach(), bias.detach(), "gelu", 0.25, rng)
+    expected = triton_op.forward(*args), *triton_op.backward(grad_y, *args, True, True)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
 def test_empty(device):
     x = torch.randn(0, 8, device=device)
     bias = torch.randn(8, device=device)

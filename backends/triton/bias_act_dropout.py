@@ -10,6 +10,7 @@ Compiled variants are keyed by these buckets only (M is not specialized).
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 from typing import NamedTuple, Optional
 
 import torch
@@ -181,6 +182,11 @@ def _rows_kernel_fits(x: Tensor, bias: Optional[Tensor], rng: Optional[Rng], m: 
 def forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng]) -> Tensor:
     """y = dropout(act(x + bias)) in one pass; x (M, N) with any strides, y contiguous in x's dtype."""
     _check(x, bias)
+    return _forward(x, bias, activation, p, rng)
+
+
+def _forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng]) -> Tensor:
+    """``forward`` on arguments the caller validated (``trusted``)."""
     m, n = x.shape
     y = x.new_empty((m, n))  # contiguous; new_empty builds no torch.device
     if m == 0 or n == 0:
@@ -205,7 +211,10 @@ def forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: O
     cfg = config(m, n, x.element_size(), dropout=rng is not None)
     _FORWARD(
         (_cdiv(m, cfg.block_m), _cdiv(n, cfg.block_n)),
-        (x, x if bias is None else bias, y, rng_t, s0, s1, o0, o1, m, n, x.stride(0), x.stride(1), threshold, scale),
+        (
+            x, x if bias is None else bias, y, rng_t, s0, s1, o0, o1,
+            m, n, x.stride(0), x.stride(1), threshold, scale,
+        ),  # fmt: skip
         (
             activation,  # ACTIVATION
             bias is not None,  # HAS_BIAS
@@ -236,6 +245,20 @@ def backward(
     _check(x, bias)
     if grad_y.shape != x.shape:
         raise ValueError(f"grad_y must have x's shape {tuple(x.shape)}, got {tuple(grad_y.shape)}")
+    return _backward(grad_y, x, bias, activation, p, rng, need_x, need_bias)
+
+
+def _backward(
+    grad_y: Tensor,
+    x: Tensor,
+    bias: Optional[Tensor],
+    activation: str,
+    p: float,
+    rng: Optional[Rng],
+    need_x: bool,
+    need_bias: bool,
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """``backward`` on arguments the caller validated (``trusted``)."""
     need_bias = need_bias and bias is not None
     m, n = x.shape
     grad_x = x.new_empty((m, n)) if need_x else None
@@ -283,3 +306,10 @@ def backward(
     if partials is not None:  # 32 columns (128 B rows) a program: N / 32 programs stream the partials
         _BIAS_GRAD((_cdiv(n, 32),), (partials, grad_bias, row_programs, n), (64, 32), 4)
     return grad_x, grad_bias
+
+
+# The contract's functions without this module's own argument checks, for the dispatcher, which has
+# validated the call already (dispatch.registry.trusted). The checks cost ~1.2-1.7 us of host time a
+# call hot and over twice that right after other torch work, the same as the dispatcher's own
+# (benchmarks/NOTES.md, session 11).
+trusted = SimpleNamespace(forward=_forward, backward=_backward)

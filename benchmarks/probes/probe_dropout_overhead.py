@@ -10,8 +10,10 @@ lookup. Two explanations predict different numbers here:
 - something in the pair itself (the api's call reaching triton differently): then it stays at ~2 us.
 
 Rows: api - direct in adjacent pairs (order swapped each pair), each timed call preceded by an
-untimed "prelude" call, median over --calls pairs, median of --rounds. Then the fast path's fragments,
-each timed right after the same preludes (fragment + prelude vs prelude alone).
+untimed "prelude" call, median over --calls pairs, median of --rounds; against the chosen backend's
+checked op (what bench_dispatch_overhead's direct side calls), its ``trusted`` entry (what the public
+op calls since session 11) and the null backend. Then the fast path's fragments, each timed hot and
+right after a triton training call (fragment + prelude vs prelude alone).
 
     PYTHONPATH=. python3 benchmarks/probes/probe_dropout_overhead.py [--calls 3000] [--rounds 3]
 """
@@ -81,7 +83,7 @@ def _fragment(fragment: Callable, prelude: Optional[Callable], calls: int) -> fl
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--calls", type=int, default=3000)
+    p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (triton interpreted)")
     args = p.parse_args()
@@ -112,13 +114,19 @@ def main() -> None:
         "null training call": prelude(null),
     }
     rows = []
-    for backend, impl in ((chosen, backends()[chosen].ops["bias_act_dropout"]), (null_name, null)):
+    chosen_op = backends()[chosen].ops["bias_act_dropout"]
+    sides = [  # (row label, backend, the direct side's op)
+        (chosen, chosen, chosen_op),
+        (f"{chosen}, direct = its trusted entry", chosen, getattr(chosen_op, "trusted", chosen_op)),
+        (null_name, null_name, null),
+    ]
+    for label, backend, impl in sides:
         call = lambda backend=backend: fused_bias_act_dropout(x, bias, "gelu", 0.1, backend=backend)  # noqa: E731
         for name, pre in preludes.items():
             for _ in range(100):
                 call(), direct(impl)()
             got = [_paired(call, direct(impl), pre, args.calls) for _ in range(args.rounds)]
-            rows.append([backend, name, f"{statistics.median(got):.2f}", " ".join(f"{g:.2f}" for g in got)])
+            rows.append([label, name, f"{statistics.median(got):.2f}", " ".join(f"{g:.2f}" for g in got)])
     print(tabulate(rows, headers=["backend", "prelude before each timed call", "api - direct us", "rounds"]))
 
     index = max(x.get_device(), -1)  # the cache key's device item
@@ -141,11 +149,11 @@ def main() -> None:
     rows = []
     for name, fragment in fragments.items():
         cells = []
-        for pre in ("none", "triton training call", "eager training call"):
+        for pre in ("none", "triton training call"):
             got = [_fragment(fragment, preludes[pre], args.calls) for _ in range(args.rounds)]
             cells.append(statistics.median(got))
         rows.append([name, *(f"{c:.2f}" for c in cells)])
-    print(tabulate(rows, headers=["fragment", "us, hot", "after triton call", "after eager call"]))
+    print(tabulate(rows, headers=["fragment", "us, hot", "after a triton training call"]))
 
 
 if __name__ == "__main__":
