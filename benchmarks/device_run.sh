@@ -79,7 +79,8 @@ for arg in "$@"; do
     bench_overhead) stage bench_overhead "$limit" python3 benchmarks/bench_dispatch_overhead.py --out "$R" ;;
     e2e_profile) stage e2e_profile "$limit" python3 benchmarks/probes/probe_e2e_profile.py ;;
     e2e_profile_compile) stage e2e_profile_compile "$limit" python3 benchmarks/probes/probe_e2e_profile.py --configs compile,compile+patched ;;
-    bench_e2e) stage bench_e2e "$limit" python3 benchmarks/bench_e2e.py ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} --out "$R" ;;
+    bench_e2e) stage bench_e2e "$limit" python3 benchmarks/bench_e2e.py ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} ${E2E_ARGS:-} --out "$R" ;;
+    bench_overhead2) stage bench_overhead2 "$limit" python3 benchmarks/bench_dispatch_overhead.py --out "$R/overhead2" ;;
     # every fused op forced onto triton: under compile the ops are then opaque triton kernels, not the
     # plain math that inductor fuses (issue 7: does a triton c_fc beat inductor's own under compile?)
     bench_e2e_triton) mkdir -p "$R/e2e_triton"; stage bench_e2e_triton "$limit" python3 benchmarks/bench_e2e.py --backend triton --configs "${E2E_CONFIGS:-compile,compile+patched}" --out "$R/e2e_triton" ;;

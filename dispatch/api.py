@@ -17,6 +17,7 @@ from dispatch.select import ENV_VAR, Decision, _impls, _requested, decide, env_b
 _is_compiling = torch.compiler.is_compiling  # bound once: the attribute chain costs ~0.1 us per call
 _is_grad_enabled = torch.is_grad_enabled
 _requested_get = _requested.get
+_draw_cuda = dropout_rng.draw_cuda
 _impls_get = _impls.get  # the decision cache's lookup, bound: a function around it costs a call, ~0.1 us
 
 
@@ -177,15 +178,17 @@ def fused_bias_act_dropout(
     ):
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
-        dropout = training and p > 0
-        rng = dropout_rng.draw_for(x) if dropout else None
-        p = p if dropout else 0.0
         n = shape[-1]
         if len(shape) == 2:
             m, x2d = shape[0], x
         else:  # (M, N), a view if strides allow; M from integers: math.prod(shape[:-1]) slices a torch.Size
             m = shape[0] * shape[1] if len(shape) == 3 else math.prod(shape[:-1])
             x2d = x.reshape(m, n)
+        dropout = training and p > 0
+        if dropout:  # draw_for(x), with x's device and size in hand on CUDA
+            rng = _draw_cuda(device, m * n) if on_cuda else dropout_rng.draw_for(x)
+        else:
+            rng, p = None, 0.0
         # requires_grad first: calls without autograd skip the grad-mode call (~0.1 us)
         grad = (x.requires_grad or (bias is not None and bias.requires_grad)) and _is_grad_enabled()
         # The full call signature, flat (one hash): dispatch.select.request_key inlined

@@ -279,3 +279,9 @@ def test_draw_for_forms_and_seeding(device):
     gen.manual_seed(5)
     again = dropout_rng.draw_for(x, gen)
     assert again == first if x.is_cuda else torch.equal(again, first)
+    if x.is_cuda:  # the default generator: draw_for and the public op's draw_cuda take the same steps
+        torch.cuda.manual_seed(11)
+        index = x.get_device()
+        draws = [dropout_rng.draw_for(x), dropout_rng.draw_cuda(index, x.numel()), dropout_rng.draw_for(x)]
+        step = dropout_rng.advance(x.numel())
+        assert draws == [dropout_rng.HostRng(11, i * step) for i in range(3)]
