@@ -17,6 +17,8 @@ bit for bit).
 
 Duels (``--duel``, after the four runs): eager and patched, then compile and compile+patched, built
 side by side and stepped in turn, so that each pair's ratio sees one GPU clock and one host phase.
+``--duel-pairs`` runs other pairs instead, including controls: one config against a second build of
+itself (``compile/compile``), the offset a duel shows between identical graphs.
 
 Targets (H200): patched >= 1.1x eager tokens/s with lower peak memory; compile(patched) >= compile.
 """
@@ -31,6 +33,7 @@ import os
 import sys
 import time
 import traceback
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +76,12 @@ def arguments():
         default=60,
         help="timed steps of each config in the alternating duels (eager/patched, compile/compile+patched)",
     )
+    p.add_argument(
+        "--duel-pairs",
+        help="duels to run instead of the two standard ones, e.g. 'compile/compile,compile/compile+patched':"
+        " a pair of one config twice (two builds of the same model) measures what the duel sees between"
+        " identical graphs",
+    )
     args = p.parse_args()
     if args.tiny:
         args.layers, args.seq, args.batch, args.vocab = args.layers or 2, 64, 4, 1024
@@ -82,6 +91,12 @@ def arguments():
     bad = [c for c in args.configs if c not in CONFIGS]
     if bad:
         p.error(f"--configs: unknown {bad}; choose from {', '.join(CONFIGS)}")
+    args.pairs = None
+    if args.duel_pairs is not None:
+        args.pairs = [tuple(pair.split("/")) for pair in args.duel_pairs.split(",") if pair]
+        bad = [pair for pair in args.pairs if len(pair) != 2 or not set(pair) <= set(CONFIGS)]
+        if bad:
+            p.error(f"--duel-pairs: expected FIRST/SECOND pairs of {', '.join(CONFIGS)}, got {bad}")
     args.warmup = min(args.warmup, args.steps // 2)
     return args
 
@@ -333,8 +348,8 @@ def targets(rows, duels=()) -> list[list[str]]:
     by = {r["config"]: r for r in rows if r["status"] == "ok"}
     out = []
 
-    def add(target: str, measured: str, ok: bool) -> None:
-        out.append([target, measured, "PASS" if ok else "MISS"])
+    def add(target: str, measured: str, ok: Optional[bool]) -> None:
+        out.append([target, measured, "-" if ok is None else "PASS" if ok else "MISS"])
 
     if "eager" in by and "patched" in by:
         e, p = by["eager"], by["patched"]
@@ -354,7 +369,9 @@ def targets(rows, duels=()) -> list[list[str]]:
         lo, hi = 1.0 / d["ratio_95"][1], 1.0 / d["ratio_95"][0]
         faster = f"faster in {100 * d['second_faster']:.0f}% of pairs"
         measured = f"{speed:.4f}x (95%: {lo:.4f}-{hi:.4f}), {faster}"
-        if first == "eager":
+        if first == second:
+            add(f"control: two builds of {first} (no target)", measured, None)
+        elif first == "eager":
             add(f"duel: {second} >= {SPEEDUP_TARGET}x {first} tokens/s", measured, lo >= SPEEDUP_TARGET)
         else:  # the same graphs by design: the claim is "not slower", which holds unless the interval says so
             add(f"duel: {second} not slower than {first} (95% interval reaches 1)", measured, hi >= 1.0)
@@ -399,8 +416,9 @@ def main() -> None:
         rows.append(run_config(name, config, state, batches, args, device))
     duels = []
     ok = {r["config"] for r in rows if r["status"] == "ok"}
-    for pair in (("eager", "patched"), ("compile", "compile+patched")):
-        if args.duel and set(pair) <= ok:
+    standard = args.pairs is None
+    for pair in args.pairs or (("eager", "patched"), ("compile", "compile+patched")):
+        if args.duel and (not standard or set(pair) <= ok):
             print(f"--- duel {pair[0]} vs {pair[1]}", flush=True)
             try:
                 duels.append(duel(pair, config, state, batches, args, device))
