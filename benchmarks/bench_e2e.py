@@ -87,7 +87,7 @@ def arguments():
         args.layers, args.seq, args.batch, args.vocab = args.layers or 2, 64, 4, 1024
     args.steps = args.steps or (40 if args.quick else 300)
     args.layers = args.layers or (4 if args.quick else 12)
-    args.configs = [c for c in args.configs.split(",") if c]
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in args.configs if c not in CONFIGS]
     if bad:
         p.error(f"--configs: unknown {bad}; choose from {', '.join(CONFIGS)}")
