@@ -367,7 +367,11 @@ def targets(rows, duels=()) -> list[list[str]]:
         first, second = d["pair"]
         speed = 1.0 / d["ratio"]  # tokens/s of the second over the first
         lo, hi = 1.0 / d["ratio_95"][1], 1.0 / d["ratio_95"][0]
-        faster = f"faster in {100 * d['second_faster']:.0f}% of pairs"
+        share = d["second_faster"]
+        if "patched" in first and "patched" not in second:  # stepped patched-first: read it the other way
+            first, second = second, first
+            speed, lo, hi, share = d["ratio"], d["ratio_95"][0], d["ratio_95"][1], 1.0 - share
+        faster = f"faster in {100 * share:.0f}% of pairs"
         measured = f"{speed:.4f}x (95%: {lo:.4f}-{hi:.4f}), {faster}"
         if first == second:
             add(f"control: two builds of {first} (no target)", measured, None)
