@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from dispatch import fused_bias_act_dropout, fused_linear, use_backend
+from dispatch.select import _impls, clear_cache
 
 
 class MLP(nn.Module):
@@ -128,3 +129,22 @@ def test_compile_inlines_the_reference_unless_a_backend_is_requested(device):
     with use_backend("eager"):
         traced = _custom_ops_traced(MLP().to(device).eval(), x)
     assert sorted(set(traced)) == ["fusedispatch.bias_act_dropout.default", "fusedispatch.fused_linear.default"]
+
+
+def test_export_traces_both_ops(device):
+    """torch.export, strict (dynamo) and non-strict (the model's Python run on fake tensors): the ops
+    are traced as their math in aten ops, with no decision made (no backend runs on a fake tensor),
+    and the exported program matches the model. Non-strict tracing is the case the fast path leaves by
+    the type of its tensors (dispatch/api.py, _FAST_TYPES: FakeTensor is a subclass)."""
+    model = MLP().to(device).eval()
+    x, x_new = torch.randn(3, 16, device=device), torch.randn(3, 16, device=device)
+    with torch.no_grad():
+        expected, expected_new = model(x), model(x_new)
+        for strict in (False, True):
+            clear_cache()
+            program = torch.export.export(model, (x,), strict=strict)
+            assert not _impls, f"strict={strict}: a backend was chosen while tracing: {list(_impls)}"
+            targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
+            assert targets and all(isinstance(t, torch._ops.OpOverload) for t in targets), targets
+            torch.testing.assert_close(program.module()(x), expected)
+            torch.testing.assert_close(program.module()(x_new), expected_new)

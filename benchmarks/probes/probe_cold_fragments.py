@@ -118,7 +118,8 @@ def main() -> None:
 
     _register("null-probe", _Busy(0))
     fragments = {
-        "torch.compiler.is_compiling()": lambda: api._is_compiling(),
+        "torch.compiler.is_compiling()": torch.compiler.is_compiling,  # the fast path's guard to session 11
+        "torch.compiler.is_dynamo_compiling()": api._is_dynamo_compiling,  # its guard since session 12
         "tensor getters of the fast path": lambda: (
             x.dtype in FLOAT_DTYPES, x.shape, x.is_cuda, x.is_cpu, bias.dtype, bias.shape == (N,),
             bias.is_cpu, bias.is_contiguous(), x.requires_grad, bias.requires_grad,

@@ -131,7 +131,8 @@ def main() -> None:
 
     index = max(x.get_device(), -1)  # the cache key's device item
     fragments = {
-        "torch.compiler.is_compiling()": lambda: api._is_compiling(),
+        "torch.compiler.is_compiling()": torch.compiler.is_compiling,  # the fast path's guard to session 11
+        "torch.compiler.is_dynamo_compiling()": api._is_dynamo_compiling,  # its guard since session 12
         "x getters (dtype, shape, is_cuda, get_device)": lambda: (
             x.dtype in FLOAT_DTYPES, x.shape, x.is_cuda, x.get_device()
         ),
