@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 
-from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear  # noqa: E402
+from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear, native  # noqa: E402
 from dispatch import rng as dropout_rng  # noqa: E402
 from dispatch.api import _BiasActDropout, fused_linear_training  # noqa: E402
 from dispatch.registry import Backend, backends, fused_linear_inference, register  # noqa: E402
@@ -286,6 +286,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1000, help="calls per timed loop")
     parser.add_argument("--repeats", type=int, default=15, help="timed loops per side (median)")
     args = parser.parse_args()
+    native.wait()  # time the reads a warmed-up program makes (C++ once built, dispatch.native)
+    print(f"fast path's tensor reads: {native.status()}")
     if args.quick:
         args.calls, args.repeats = 200, 5
     torch.set_num_threads(1)

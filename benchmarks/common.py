@@ -17,6 +17,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from tabulate import tabulate
 
+from dispatch import native
+
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
@@ -51,6 +53,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cuda": torch.version.cuda,
+        "dispatch_reads": native.status(),  # the fast path's tensor reads: C++ or Python (dispatch.native)
     }
     try:
         import triton

@@ -36,6 +36,7 @@ for arg in "$@"; do
     probe_sync) stage probe_sync "$limit" python3 benchmarks/probes/probe_rng_sync.py ;;
     probe_cold) stage probe_cold "$limit" python3 benchmarks/probes/probe_overhead_cold.py --devices "${COLD_DEVICES:-cuda}" ;;
     probe_dropout_overhead) stage probe_dropout_overhead "$limit" python3 benchmarks/probes/probe_dropout_overhead.py ;;
+    probe_wrapper_floor) stage probe_wrapper_floor "$limit" python3 benchmarks/probes/probe_wrapper_floor.py ;;
     probe_mlp_host) stage probe_mlp_host "$limit" python3 benchmarks/probes/probe_mlp_host.py ;;
     probe_host) stage probe_host "$limit" python3 benchmarks/probes/probe_host_overhead.py ;;
     env) stage env "$limit" bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; python3 -m dispatch.info' ;;

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from dispatch import native
 from dispatch import rng as dropout_rng
 from dispatch.activations import ACTIVATIONS
 from dispatch.checks import FLOAT_DTYPES, bias_act_dropout_args, check_backend, fused_linear_args
@@ -26,6 +27,90 @@ _is_grad_enabled = torch.is_grad_enabled
 _requested_get = _requested.get
 _draw_cuda = dropout_rng.draw_cuda
 _impls_get = _impls.get  # the decision cache's lookup, bound: a function around it costs a call, ~0.1 us
+
+
+# ----------------------------------------------------------------------------- the fast path's reads
+# The steady-state path reads its tensors through these two functions: the C++ module of
+# dispatch.native once it is loaded (one call, where these make 10-16 attribute reads of ~0.1 us
+# each), these Python twins until then or where it cannot be built. Both return the same tuple for the
+# common valid call (exact types, floating, on x's device, CPU or CUDA, matching shapes) and None for
+# anything else, which then takes the full checks. Devices as ints: -1 for CPU, the CUDA index
+# (x.device builds a torch.device per read).
+
+
+def _bias_act_signature_py(x: object, bias: object) -> Optional[tuple]:
+    """(device, dtype, M, N, grad, bias_contiguous, x.ndim) or None; see above."""
+    if (
+        type(x) in _FAST_TYPES
+        and (dtype := x.dtype) in FLOAT_DTYPES
+        and (shape := x.shape)  # a 0-d tensor's shape is empty
+        and ((on_cuda := x.is_cuda) or x.is_cpu)
+        and ((device := x.get_device() if on_cuda else -1) >= -1)  # always true: binds device
+        and (
+            bias is None
+            or (
+                type(bias) in _FAST_TYPES
+                and bias.dtype is dtype
+                and bias.shape == (shape[-1],)  # ~0.14 us: bias.size() or ndim and numel cost more
+                and ((bias.is_cuda and bias.get_device() == device) if on_cuda else bias.is_cpu)
+            )
+        )
+    ):
+        ndim = len(shape)
+        m = shape[0] if ndim == 2 else shape[0] * shape[1] if ndim == 3 else math.prod(shape[:-1])
+        # requires_grad first: calls without autograd skip the grad-mode call (~0.1 us)
+        grad = (x.requires_grad or (bias is not None and bias.requires_grad)) and _is_grad_enabled()
+        contiguous = bias is None or bias.is_contiguous()
+        return device, dtype, m, shape[-1], grad, contiguous, ndim
+    return None
+
+
+def _linear_signature_py(x: object, weight: object, bias: object) -> Optional[tuple]:
+    """(device, dtype, M, N, K, grad, bias_contiguous, x.ndim) or None; see above."""
+    if (
+        type(x) in _FAST_TYPES
+        and (dtype := x.dtype) in FLOAT_DTYPES
+        and (shape := x.shape)
+        and ((on_cuda := x.is_cuda) or x.is_cpu)
+        and ((device := x.get_device() if on_cuda else -1) >= -1)  # always true: binds device
+        and type(weight) in _FAST_TYPES
+        and weight.dtype is dtype
+        and ((weight.is_cuda and weight.get_device() == device) if on_cuda else weight.is_cpu)
+        and len(wshape := weight.shape) == 2
+        and wshape[1] == shape[-1]
+        and (
+            bias is None
+            or (
+                type(bias) in _FAST_TYPES
+                and bias.dtype is dtype
+                and ((bias.is_cuda and bias.get_device() == device) if on_cuda else bias.is_cpu)
+                and bias.shape == (wshape[0],)
+            )
+        )
+    ):
+        ndim = len(shape)
+        m = shape[0] if ndim == 2 else shape[0] * shape[1] if ndim == 3 else math.prod(shape[:-1])
+        grad = (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        ) and _is_grad_enabled()
+        contiguous = bias is None or bias.is_contiguous()
+        return device, dtype, m, wshape[0], wshape[1], grad, contiguous, ndim
+    return None
+
+
+_bias_act_signature = _bias_act_signature_py
+_linear_signature = _linear_signature_py
+
+
+def _use_native(module: Any) -> None:
+    """dispatch.native's hand-over of the built C++ module (from its build thread: each swap is one
+    atomic store of a module global)."""
+    global _bias_act_signature, _linear_signature
+    _bias_act_signature = module.bias_act_signature
+    _linear_signature = module.linear_signature
+
+
+native.start(_use_native)
 
 
 def _needs_grad(*tensors: Optional[Tensor]) -> bool:
@@ -154,28 +239,13 @@ def fused_bias_act_dropout(
 
         F.dropout(act(x + bias), p, training)   # up to the choice of random bits
     """
-    # The steady-state path: common valid arguments on CPU or CUDA, checked inline with no torch.device
-    # built (x.device makes a new one per use; CUDA calls cost ~2.4 us more than CPU ones on the H200
-    # host, dispatch_overhead-2026-11-30.log) and no Python function of ours between here and the
-    # backend (a call costs ~0.1 us). Anything else, and torch.compile, takes the full checks below,
-    # which raise each error in argument order.
+    # The steady-state path: common valid arguments on CPU or CUDA (_bias_act_signature), with no
+    # Python function of ours between here and the backend but that one (a call costs ~0.1 us).
+    # Anything else, and torch.compile, takes the full checks below, which raise each error in
+    # argument order.
     if (
         not _is_dynamo_compiling()
-        and type(x) in _FAST_TYPES
-        and (dtype := x.dtype) in FLOAT_DTYPES
-        and (shape := x.shape)  # a 0-d tensor's shape is empty
-        and ((on_cuda := x.is_cuda) or x.is_cpu)
-        # the index on CUDA, -1 (every CPU tensor's get_device()) on CPU: always true
-        and ((device := x.get_device() if on_cuda else -1) >= -1)
-        and (
-            bias is None
-            or (
-                type(bias) in _FAST_TYPES
-                and bias.dtype is dtype
-                and bias.shape == (shape[-1],)  # ~0.14 us: bias.size() or ndim and numel cost more
-                and ((bias.is_cuda and bias.get_device() == device) if on_cuda else bias.is_cpu)
-            )
-        )
+        and (signature := _bias_act_signature(x, bias)) is not None
         and activation in ACTIVATIONS
         and type(p) is float
         and 0.0 <= p < 1.0
@@ -183,21 +253,15 @@ def fused_bias_act_dropout(
         and generator is None
         and (backend is None or type(backend) is str)
     ):
-        if bias is not None and not bias.is_contiguous():
+        device, dtype, m, n, grad, bias_contiguous, ndim = signature
+        if not bias_contiguous:
             bias = bias.contiguous()
-        n = shape[-1]
-        if len(shape) == 2:
-            m, x2d = shape[0], x
-        else:  # (M, N), a view if strides allow; M from integers: math.prod(shape[:-1]) slices a torch.Size
-            m = shape[0] * shape[1] if len(shape) == 3 else math.prod(shape[:-1])
-            x2d = x.reshape(m, n)
+        x2d = x if ndim == 2 else x.reshape(m, n)  # (M, N), a view if strides allow
         dropout = training and p > 0
         if dropout:  # draw_for(x), with x's device and size in hand on CUDA
-            rng = _draw_cuda(device, m * n) if on_cuda else dropout_rng.draw_for(x)
+            rng = _draw_cuda(device, m * n) if device >= 0 else dropout_rng.draw_for(x)
         else:
             rng, p = None, 0.0
-        # requires_grad first: calls without autograd skip the grad-mode call (~0.1 us)
-        grad = (x.requires_grad or (bias is not None and bias.requires_grad)) and _is_grad_enabled()
         # The full call signature, flat (one hash): dispatch.select.request_key inlined
         key = ("bias_act_dropout", device, dtype, m, n, activation, dropout, grad, backend,
                None if backend is not None else _requested_get())
@@ -257,39 +321,14 @@ def fused_linear(
     # The steady-state path, as in fused_bias_act_dropout.
     if (
         not _is_dynamo_compiling()
-        and type(x) in _FAST_TYPES
-        and (dtype := x.dtype) in FLOAT_DTYPES
-        and (shape := x.shape)
-        and ((on_cuda := x.is_cuda) or x.is_cpu)
-        and ((device := x.get_device() if on_cuda else -1) >= -1)
-        and type(weight) in _FAST_TYPES
-        and weight.dtype is dtype
-        and ((weight.is_cuda and weight.get_device() == device) if on_cuda else weight.is_cpu)
-        and len(wshape := weight.shape) == 2
-        and wshape[1] == shape[-1]
-        and (
-            bias is None
-            or (
-                type(bias) in _FAST_TYPES
-                and bias.dtype is dtype
-                and ((bias.is_cuda and bias.get_device() == device) if on_cuda else bias.is_cpu)
-                and bias.shape == (wshape[0],)
-            )
-        )
+        and (signature := _linear_signature(x, weight, bias)) is not None
         and activation in ACTIVATIONS
         and (backend is None or type(backend) is str)
     ):
-        if bias is not None and not bias.is_contiguous():
+        device, dtype, m, n, k, grad, bias_contiguous, ndim = signature
+        if not bias_contiguous:
             bias = bias.contiguous()
-        n, k = wshape
-        if len(shape) == 2:
-            m, x2d = shape[0], x
-        else:  # (M, K)
-            m = shape[0] * shape[1] if len(shape) == 3 else math.prod(shape[:-1])
-            x2d = x.reshape(m, k)
-        grad = (
-            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-        ) and _is_grad_enabled()
+        x2d = x if ndim == 2 else x.reshape(m, k)  # (M, K)
         key = ("fused_linear", device, dtype, m, n, k, activation, grad, backend,
                None if backend is not None else _requested_get())
     else:
@@ -319,7 +358,7 @@ def fused_linear(
     y = run(x2d, weight, bias, activation)
     if x2d is x:
         return y
-    # integer arguments: view(*shape[:-1], n) slices a torch.Size first, ~0.7 us more
+    shape = x.shape  # integer arguments: view(*shape[:-1], n) slices a torch.Size first, ~0.7 us more
     return y.view(shape[0], shape[1], n) if len(shape) == 3 else y.view(*shape[:-1], n)
 
 def explain(op_name: str, *args: Any, **kwargs: Any) -> Decision:

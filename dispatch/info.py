@@ -17,6 +17,7 @@ import torch
 from tabulate import tabulate
 
 import heuristics
+from dispatch import native
 from dispatch.registry import Backend, Call, backends
 
 PROBE_SHAPES = {"bias_act_dropout": (4096, 4096), "fused_linear": (4096, 4096, 4096)}  # a typical call
@@ -57,6 +58,7 @@ def report(device: torch.device) -> str:
         f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), triton {_version('triton')}",
         f"device: {_device_line(device)}",
         f"heuristics: {heuristics.describe(device)}",
+        f"fast path's tensor reads: {native.status()}",
         "",
     ]
     rows, notes = [], []
