@@ -49,6 +49,19 @@ bool like(const at::Tensor& t, const at::Tensor& x, long device) {
   return plain(t) && t.scalar_type() == x.scalar_type() && device_code(t) == device;
 }
 
+// bias (None, or a 1-D tensor of N elements like x): folds its requires_grad into *requires_grad
+// and sets *contiguous; false where it is anything else.
+bool read_bias(PyObject* bo, const at::Tensor& x, long device, int64_t n, bool* requires_grad,
+               bool* contiguous) {
+  if (bo == Py_None) return true;
+  if (!THPVariable_CheckExact(bo)) return false;
+  const at::Tensor& b = THPVariable_Unpack(bo);
+  if (!like(b, x, device) || b.dim() != 1 || b.sizes()[0] != n) return false;
+  *requires_grad = *requires_grad || b.requires_grad();
+  *contiguous = b.is_contiguous();
+  return true;
+}
+
 // A new tuple of new references; on a failed item (no memory) none leaks and the error stands.
 PyObject* tuple_of(std::initializer_list<PyObject*> items) {
   bool built = true;
@@ -82,13 +95,7 @@ PyObject* bias_act_signature(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     if (!check_x(x, &device, &m)) Py_RETURN_NONE;
     const int64_t n = x.sizes().back();
     bool requires_grad = x.requires_grad(), contiguous = true;
-    if (bo != Py_None) {
-      if (!THPVariable_CheckExact(bo)) Py_RETURN_NONE;
-      const at::Tensor& b = THPVariable_Unpack(bo);
-      if (!like(b, x, device) || b.dim() != 1 || b.sizes()[0] != n) Py_RETURN_NONE;
-      requires_grad = requires_grad || b.requires_grad();
-      contiguous = b.is_contiguous();
-    }
+    if (!read_bias(bo, x, device, n, &requires_grad, &contiguous)) Py_RETURN_NONE;
     return tuple_of({PyLong_FromLong(device), new_ref((PyObject*)torch::getTHPDtype(x.scalar_type())),
                      PyLong_FromLongLong(m), PyLong_FromLongLong(n),
                      as_bool(requires_grad && at::GradMode::is_enabled()), as_bool(contiguous),
@@ -114,13 +121,7 @@ PyObject* linear_signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     const int64_t n = w.sizes()[0], k = w.sizes()[1];
     if (x.sizes().back() != k) Py_RETURN_NONE;
     bool requires_grad = x.requires_grad() || w.requires_grad(), contiguous = true;
-    if (bo != Py_None) {
-      if (!THPVariable_CheckExact(bo)) Py_RETURN_NONE;
-      const at::Tensor& b = THPVariable_Unpack(bo);
-      if (!like(b, x, device) || b.dim() != 1 || b.sizes()[0] != n) Py_RETURN_NONE;
-      requires_grad = requires_grad || b.requires_grad();
-      contiguous = b.is_contiguous();
-    }
+    if (!read_bias(bo, x, device, n, &requires_grad, &contiguous)) Py_RETURN_NONE;
     return tuple_of({PyLong_FromLong(device), new_ref((PyObject*)torch::getTHPDtype(x.scalar_type())),
                      PyLong_FromLongLong(m), PyLong_FromLongLong(n), PyLong_FromLongLong(k),
                      as_bool(requires_grad && at::GradMode::is_enabled()), as_bool(contiguous),
