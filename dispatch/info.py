@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import platform
 from typing import Optional, Sequence
 
@@ -17,8 +18,8 @@ import torch
 from tabulate import tabulate
 
 import heuristics
-from dispatch import native
 from dispatch.registry import Backend, Call, backends
+from dispatch.select import ENV_VAR
 
 PROBE_SHAPES = {"bias_act_dropout": (4096, 4096), "fused_linear": (4096, 4096, 4096)}  # a typical call
 
@@ -58,7 +59,9 @@ def report(device: torch.device) -> str:
         f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), triton {_version('triton')}",
         f"device: {_device_line(device)}",
         f"heuristics: {heuristics.describe(device)}",
-        f"fast path's tensor reads: {native.status()}",
+        f"{ENV_VAR}: {os.environ.get(ENV_VAR) or '(unset: the table decides)'}",
+        f"{heuristics.ENV_DIR}: {os.environ.get(heuristics.ENV_DIR) or '(unset)'} "
+        f"(user tables are read from {heuristics.user_dir()})",
         "",
     ]
     rows, notes = [], []

@@ -43,8 +43,7 @@ def inline(backend: Optional[str]) -> bool:
 
 def _impl(op: str, x: Tensor, shape: tuple[int, ...], activation: str, dropout: bool, training: bool, backend: str):
     key = (op, x.device, x.dtype, *shape, activation, dropout, training, *request_key(backend or None))
-    decision = select(key, lambda: Call(op, x.device, x.dtype, shape, activation, dropout, training))
-    return decision.backend.ops[op]
+    return select(key, lambda: Call(op, x.device, x.dtype, shape, activation, dropout, training))[1]
 
 
 def _empty_if_none(t: Optional[Tensor], like: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ A backend is one folder under ``backends/`` whose ``__init__`` builds a :class:`
 from __future__ import annotations
 
 import importlib
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Protocol
 
@@ -182,6 +183,9 @@ class Backend:
 
 _BACKENDS: dict[str, Backend] = {}
 _loaded = False
+# First calls from several threads: one imports the backend folders while the others wait, and the
+# flag is set only once every backend is registered, so no thread sees a half-filled registry.
+_load_lock = threading.Lock()
 
 
 def register(backend: Backend) -> Backend:
@@ -196,8 +200,10 @@ def backends() -> dict[str, Backend]:
     """Every registered backend by name (imports the ``backends`` package on first use)."""
     global _loaded
     if not _loaded:
-        _loaded = True
-        importlib.import_module("backends")
+        with _load_lock:
+            if not _loaded:
+                importlib.import_module("backends")
+                _loaded = True
     return _BACKENDS
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional
 
@@ -73,26 +75,31 @@ def request_key(backend: Optional[str]) -> tuple[Optional[str], Optional[str]]:
 
 def select(
     key: tuple, make_call: Callable[[], Call], prepare: Optional[Callable[[object], object]] = None
-) -> Decision:
-    """A cached decision for the full call signature ``key`` (its first item is the op's name, its last
-    two ``request_key``'s), deciding on a miss. A miss also keeps in ``_impls[key]`` the chosen op module,
-    or ``prepare(module)`` (e.g. ``registry.fused_linear_inference``): the hot path's one lookup."""
+) -> tuple[Decision, object]:
+    """The decision for the full call signature ``key`` (its first item is the op's name, its last two
+    ``request_key``'s) and what the hot path calls for it: the chosen op module, or ``prepare(module)``
+    (e.g. ``registry.fused_linear_inference``). Cached; a miss decides and keeps both, and the caller
+    gets the values decided here, never a re-read of the caches (another thread may clear them)."""
+    found = _cache.get(key)
+    impl = _impls.get(key)
+    if found is not None and impl is not None:
+        return found, impl
     backend, context = key[-2:]
     source = _ARGUMENT
     if backend is None:
         backend, source = context, _CONTEXT
         if backend is None:
             backend, source = _env_backend, ENV_VAR
-    found = _cache.get(key)
-    if found is None:
-        if len(_cache) >= _CACHE_LIMIT:
-            _cache.clear()
-            _impls.clear()
-        found = decide(make_call(), backend, source)
-        impl = found.backend.ops[key[0]]
-        _impls[key] = impl if prepare is None else prepare(impl)
-        _cache[key] = found  # last: a key in _cache is in _impls
-    return found
+    if len(_cache) >= _CACHE_LIMIT:
+        _cache.clear()
+        _impls.clear()
+    found = decide(make_call(), backend, source)
+    impl = found.backend.ops[key[0]]
+    if prepare is not None:
+        impl = prepare(impl)
+    _impls[key] = impl
+    _cache[key] = found
+    return found, impl
 
 
 def clear_cache() -> None:
@@ -108,11 +115,30 @@ def env_backend() -> Optional[str]:
     return _env_backend
 
 
+_warned: set[tuple[str, str]] = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_unknown(choice: "heuristics.Choice") -> None:
+    """One warning per table and unknown backend name (a table from a newer or forked version)."""
+    table = choice.description.split(":", 1)[0]  # "heuristics table <slug> (<path>)"
+    with _warn_lock:
+        if (table, choice.backend) in _warned:
+            return
+        _warned.add((table, choice.backend))
+    warnings.warn(
+        f"{table} names backend {choice.backend!r}, which is not registered here "
+        f"({', '.join(backends())}); its calls run on {DEFAULT} instead",
+        heuristics.HeuristicsWarning,
+        stacklevel=4,
+    )
+
+
 def decide(call: Call, requested: Optional[str], source: str = "") -> Decision:
     """The uncached decision (``explain`` and cache misses)."""
     everyone = backends()
-    if requested is not None:
-        get(requested)
+    if requested is not None and requested not in everyone:
+        raise ValueError(f"backend must be one of {', '.join(everyone)}; got {requested!r} (from {source})")
     reasons = {
         name: b.not_supported_reasons(call, explicit=(name == requested)) for name, b in everyone.items()
     }
@@ -130,6 +156,11 @@ def decide(call: Call, requested: Optional[str], source: str = "") -> Decision:
     if choice is not None:
         if choice.backend in everyone and not reasons[choice.backend]:
             return Decision(call, everyone[choice.backend], choice.description, reasons)
+        if choice.backend not in everyone:  # a newer or forked table: the reference, as with no table
+            _warn_unknown(choice)
+            if not reasons[DEFAULT]:
+                rule = f"table chose {choice.backend!r}, which is not a registered backend; default {DEFAULT}"
+                return Decision(call, everyone[DEFAULT], rule, reasons)
         skipped = f"table chose {choice.backend}, which cannot serve it; "
     elif not reasons[DEFAULT]:
         return Decision(
