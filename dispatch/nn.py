@@ -110,7 +110,7 @@ class FusedLinear(nn.Module):
             x, weight, bias = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
         if self.transposed:
             # after the cast, which then writes the stored layout: inductor lays a cast of the transposed
-            # view out (out, in) and feeds the GEMM that copy (patched GPT-2, benchmarks/NOTES.md, session 11)
+            # view out (out, in) and feeds the GEMM that copy (patched GPT-2, benchmarks/NOTES.md)
             weight = weight.t()
         return fused_linear(x, weight, bias, self.activation)
 

@@ -17,15 +17,23 @@ Two rewrites, both exactly the original function (dropout masks aside):
 Where it looks: Hugging Face blocks by class (``_HF_BLOCKS``: GPT-2's MLP, BERT's intermediate and output
 blocks), and every ``nn.Sequential`` (Linear, then a known activation and/or ``nn.Dropout``). Hugging
 Face is never imported: blocks are recognized by class name and module. The modules keep their
-attribute names, so the blocks' own ``forward`` runs unchanged. Parameters are reused, not copied
-(an optimizer built before patching still holds them): GPT-2's ``Conv1D`` weights, stored (in, out),
-keep that layout in ``FusedLinear(transposed=True)``, so the GEMMs read the original operands and the
-state_dict keeps its shapes (a bias moved into the dropout pass is the one renamed entry,
-``<dropout>.bias``, with ``bias_in_linear=False`` or an activation before the dropout).
+attribute names (an ``nn.Sequential`` keeps its positions: the fused module where the Linear was,
+``nn.Identity`` where it replaced one), so the blocks' own ``forward`` runs unchanged. Parameters are
+reused, not copied (an optimizer built before patching still holds them): GPT-2's ``Conv1D`` weights,
+stored (in, out), keep that layout in ``FusedLinear(transposed=True)``, so the GEMMs read the original
+operands.
+
+The state_dict keeps the original's keys, order and shapes, so checkpoints load both ways with
+``strict=True``. A bias moved into the dropout's pass (an activation before the dropout, or
+``bias_in_linear=False``) is the dropout module's parameter, ``<dropout>.bias`` in ``named_parameters()``;
+hooks on its block save it as ``<linear>.bias``, right after ``<linear>.weight`` where the Linear saved
+it, and load ``<linear>.bias`` into it (``<dropout>.bias``, from checkpoints of patched models saved
+without these hooks, loads too).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
@@ -149,6 +157,57 @@ def _why_not(parent: nn.Module, run: _Run) -> Optional[str]:
     return None
 
 
+def _save_moved_bias(
+    module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *, linear: str, drop: str
+) -> None:
+    """State-dict post-hook of a block whose ``linear``'s bias moved into its ``drop`` module: the entry
+    goes back under the Linear's key, at the Linear's place (after its weight), as the original saved it."""
+    value = state_dict.pop(f"{prefix}{drop}.bias", None)
+    if value is None:
+        return
+    key, anchor = f"{prefix}{linear}.bias", f"{prefix}{linear}.weight"
+    if anchor not in state_dict:
+        state_dict[key] = value
+        return
+    # The block's entries are the last written (its later siblings come after this hook): only the few
+    # behind the Linear's weight move, not the whole model's.
+    behind = []
+    for name in reversed(state_dict):
+        if name == anchor:
+            break
+        behind.append(name)
+    moved = [(name, state_dict.pop(name)) for name in reversed(behind)]
+    state_dict[key] = value
+    state_dict.update(moved)
+
+
+def _load_moved_bias(
+    module: nn.Module,
+    state_dict: dict,
+    prefix: str,
+    local_metadata: dict,
+    strict: bool,
+    missing_keys: list,
+    unexpected_keys: list,
+    error_msgs: list,
+    *,
+    linear: str,
+    drop: str,
+) -> None:
+    """Load-state-dict pre-hook, the inverse of ``_save_moved_bias``: ``<linear>.bias`` loads into the
+    dropout module's bias. ``state_dict`` is ``load_state_dict``'s own copy, so the caller's is unchanged."""
+    key = f"{prefix}{linear}.bias"
+    if key in state_dict:
+        state_dict[f"{prefix}{drop}.bias"] = state_dict.pop(key)
+
+
+def _keep_bias_key(parent: nn.Module, linear: str, drop: str) -> None:
+    # partials of module-level functions, holding names only: a deepcopy or pickle of the model keeps
+    # them working on the copy (a closure over the modules would point at the original's)
+    parent.register_state_dict_post_hook(functools.partial(_save_moved_bias, linear=linear, drop=drop))
+    parent.register_load_state_dict_pre_hook(functools.partial(_load_moved_bias, linear=linear, drop=drop))
+
+
 def _rewrite(parent: nn.Module, path: str, run: _Run, bias_in_linear: bool = True) -> Replacement:
     """Swaps the run's children for fused modules (a run ``_why_not`` accepted)."""
     linear = getattr(parent, run.linear)
@@ -176,6 +235,7 @@ def _rewrite(parent: nn.Module, path: str, run: _Run, bias_in_linear: bool = Tru
         tail = FusedBiasActDropout(n_out, activation, p, bias=bias is not None, **meta).train(drop.training)
         if bias is not None:
             tail.bias = bias
+            _keep_bias_key(parent, run.linear, run.drop)
         after = f"{run.linear}=FusedLinear(bias=False) + {run.drop}=FusedBiasActDropout({activation}, p={p})"
     else:
         fused = FusedLinear(
@@ -238,12 +298,14 @@ def patch(model: nn.Module, *, bias_in_linear: bool = True, linear_dropout: bool
     ran at 1.000x and 1.0035x the compiled original this way, at 0.991-0.993x in four runs with the
     bias moved into the dropout's pass (``bias_in_linear=False``, where inductor adds it in a kernel
     of its own); in eager mode the two forms measured alike within the run-to-run spread
-    (benchmarks/NOTES.md, sessions 6-8).
+    (benchmarks/NOTES.md).
 
     ``linear_dropout=False`` leaves such runs (Linear -> Dropout, no activation) alone: their fusion
     saves one small elementwise pass on the GPU but adds host time (two op dispatches for one
-    native dropout) and, in bf16, keeps a byte per element more than nn.Dropout's mask (another
-    experiment of issue 7).
+    native dropout) and, in bf16, keeps a byte per element more than nn.Dropout's mask.
+
+    Either way the state_dict keeps the original's keys (see the module docstring): checkpoints of the
+    original load into the patched model and back, with ``strict=True``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
