@@ -15,8 +15,12 @@ eager by less than 10% on a short (host-bound) call is timed again the same way 
 it. ``--budget`` stops measuring gracefully: what was measured is written.
 
     python -m dispatch.calibrate --quick                      # ~2 min on an H200, < 3 min on 2 CPU cores
-    python -m dispatch.calibrate --out heuristics/tables/nvidia-h200.json   # full (H200: 489-541 s)
+    python -m dispatch.calibrate --out benchmarks/results/calibrate_points-nvidia-h200.json \
+        --slim-out heuristics/tables/nvidia-h200.json                     # full (H200: 489-541 s)
     python -m dispatch.calibrate --refresh --modes training --out ...      # those families again
+
+The table written at ``--out`` keeps every measured point (what --resume and --refresh need);
+``--slim-out`` also writes it without them (heuristics.slim), as heuristics/tables/ ships it.
 
 On a GPU the calls the run will make are first compiled by worker processes into inductor's and
 Triton's on-disk caches, and the parity checks run there while this process only times
@@ -87,6 +91,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     )
     p.add_argument("--tokens", nargs="+", type=int, help="the coarse grid of token counts M")
     p.add_argument("--out", help="default: <user dir>/<device slug>.json, the first place lookup looks")
+    p.add_argument(
+        "--slim-out",
+        help="also write the table without its raw measured points here (what heuristics/tables/ ships)",
+    )
     p.add_argument("--resume", action="store_true", help="keep the series already in --out, measure the rest")
     p.add_argument(
         "--refresh",
@@ -126,6 +134,10 @@ def make_plan(args: argparse.Namespace, device: torch.device) -> Plan:
 def _previous(path: str, info: dict) -> Optional[dict]:
     """--resume: the table at ``path`` if it is this device's and of these versions, else None."""
     table = heuristics.load_table(path) if os.path.exists(path) else None
+    if table is not None and any("points" not in e for e in table.data["entries"]):
+        # starting afresh would write a table of the selected families only over a whole one
+        raw = (table.data.get("raw_points") or {}).get("file", "the table --out wrote")
+        sys.exit(f"--resume/--refresh: {path} keeps no raw measured points; run on {raw} instead")
     if table is None or table.slug != info["slug"] or table.version_mismatch():
         print(f"--resume: no table of this device and versions at {path}; starting afresh", file=sys.stderr)
         return None
@@ -286,6 +298,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run.entries.values(),
         key=lambda e: (e["op"], e["dtype"], e["mode"], e["dropout"], e["activation"], e["features"]),
     )
+    for e in entries:  # what lookup reads, also in a table without the points
+        e["max_m"] = max((p["m"] for p in e["points"]), default=e["segments"][-1]["m_from"])
     doc = {
         "schema_version": heuristics.SCHEMA_VERSION,
         "device": {**info, "measured_bandwidth_gbs": _bandwidth_gbs(device)},
@@ -322,6 +336,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     }
     doc["self_check"] = calibrate_report.self_check(doc)
     heuristics.save_table(doc, out)
+    if args.slim_out:
+        heuristics.save_table(heuristics.slim(doc, out), args.slim_out)
     heuristics.reload()
     select.clear_cache()
     from dispatch import table as table_cli

@@ -8,6 +8,7 @@ equal share one table. ``--gpu`` takes a device slug or name (nvidia-h200, "NVID
 from __future__ import annotations
 
 import argparse
+import bisect
 import math
 import os
 import sys
@@ -25,9 +26,15 @@ LEGEND = (
     "cell: backend and its speedup over eager measured at that M (~: at the nearest measured M where "
     "that backend was chosen; >: beyond the largest measured M, the last segment continues)"
 )
+# a shipped table keeps no raw points (its raw_points file has them): a cell shows its segment's speedup
+SLIM_LEGEND = "; >=: the smallest speedup measured in that segment (this table keeps no raw points)"
 
 
 def _speedup(entry: dict, m: int, backend: str) -> str:
+    if "points" not in entry:
+        segments = entry["segments"]
+        seg = segments[max(bisect.bisect_right([s["m_from"] for s in segments], m) - 1, 0)]
+        return f" >={seg['speedup']:.2f}x" if seg["backend"] == backend and seg.get("speedup") else ""
     points = [p for p in entry["points"] if backend in p["ms"] and "eager" in p["ms"]]
     points = [p for p in points if rank(p["ms"])[0] == backend] or points
     if not points:
@@ -38,7 +45,7 @@ def _speedup(entry: dict, m: int, backend: str) -> str:
 
 def _grid(table: heuristics.Table, entries: list[dict]) -> tuple[list[str], list[list[str]]]:
     entries = sorted(entries, key=lambda e: e["features"])
-    max_m = max(p["m"] for e in entries for p in e["points"])
+    max_m = max(heuristics.max_measured_m(e) for e in entries)
     rows = []
     for m in [t for t in TOKENS if t <= max_m] + [t for t in TOKENS if t > max_m][:1]:
         row = [f"{'>' if m > max_m else ''}{m}"]
@@ -86,12 +93,13 @@ def render(
             key = repr((headers, rows))
             shared.setdefault(key, ([], headers, rows))[0].append(act)
         for acts, headers, rows in shared.values():
-            measured = sorted({e["measured_as"] for a in acts for e in by_act[a]})
+            measured = sorted({e.get("measured_as", a) for a in acts for e in by_act[a]})
             title = f"{fop}  {fdtype}  {fmode}{'  dropout' if fdrop else ''}  activation {', '.join(acts)}"
             out += [f"{title}  (timed as {', '.join(measured)})", tabulate(rows, headers=headers), ""]
     if not families:
         out.append("no entries match these filters")
-    return "\n".join(out + [LEGEND] + provenance(table))
+    slim = any("points" not in e for e in table.data["entries"])
+    return "\n".join(out + [LEGEND + (SLIM_LEGEND if slim else "")] + provenance(table))
 
 
 def runs_of(settings: dict, date: Optional[str] = None) -> list[dict]:
@@ -134,6 +142,8 @@ def provenance(table: heuristics.Table) -> list[str]:
         f"calibrated {table.data.get('date')} with {versions}; {run}{stopped}",
         f"{rule}; backends timed: {', '.join(table.data.get('backends', {}).values())}",
     ]
+    if table.data.get("raw_points"):
+        lines.append(f"raw measured points: {table.data['raw_points']['file']}")
     check = table.data.get("self_check") or {}
     if check.get("points"):
         lines.append(

@@ -8,8 +8,14 @@ size that was not measured uses the nearest measured one (in log space), and the
 Where tables come from, first match wins: the user directory (``DISPATCH_HEURISTICS_DIR``, default
 ``~/.cache/fusedispatch/heuristics``), then the shipped ``heuristics/tables/``. A GPU without a table
 uses the nearest known GPU by compute capability (then peak bandwidth), with one warning; a CPU
-without a table gets None (the dispatcher's default). A corrupt table is skipped with a warning.
-Loading is JSON only, never code; tables and per-call answers are cached (``reload()`` clears).
+without a table gets None (the dispatcher's default). A table is checked whole when it loads, types
+and ranges included; one that is not JSON or breaks the schema is skipped with one warning naming
+its file and the field. Loading is JSON only, never code; tables and per-call answers are cached
+(``reload()`` clears).
+
+The calibrator's output keeps every measured point (``points``, ``held_out``, ``held_out_sizes``);
+a shipped table is that output without them (``slim()``): the segments, each entry's ``max_m``,
+the provenance and the self-check's summary, with ``raw_points`` naming the file that has the rest.
 """
 
 from __future__ import annotations
@@ -125,42 +131,280 @@ def _key(op: str, dtype: str, activation: str, mode: str, dropout: bool) -> tupl
     return (op, dtype, activation, mode, bool(dropout) and op == "bias_act_dropout")
 
 
-def _parse_entry(e: dict) -> Entry:
-    """One JSON entry, validated so that lookups on it cannot fail later."""
-    segments = tuple(
-        Segment(
-            int(s["m_from"]),
-            str(s["backend"]),
-            None if s.get("runner_up") is None else str(s["runner_up"]),
-            None if s.get("margin") is None else float(s["margin"]),
-        )
-        for s in e["segments"]
-    )
+# ----------------------------------------------------------------------------- the schema
+#
+# A table is checked whole, types and ranges included, when it loads: a table that loaded can answer
+# every lookup, describe() and version check (and ``python -m dispatch.table``) without raising,
+# and a table that cannot is skipped with one warning naming its file and the field at fault.
+
+FEATURE_DIMS = {"bias_act_dropout": 1, "fused_linear": 2}  # (N,) or (N, K)
+MODES = ("inference", "training")
+# No tensor dimension or token count reaches int64's range; the bound also keeps the lookup's float
+# math (log2 of size ratios) finite, which an integer like 10**400 would overflow.
+MAX_SIZE = 2**62
+
+
+class SchemaError(ValueError):
+    """A table field of the wrong type or out of range; the message names the field."""
+
+
+def _type_name(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _show(v: Any) -> str:
+    """A value for a message, short: a 400-digit integer is not worth printing whole."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**30:
+        return f"an integer of {len(str(abs(v)))} digits"
+    text = json.dumps(v) if isinstance(v, str) else repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _bad(where: str, want: str, v: Any, wrong_type: bool = True) -> SchemaError:
+    return SchemaError(f"{where} must be {want}, got {_type_name(v) if wrong_type else _show(v)}")
+
+
+def _string(v: Any, where: str, choices: tuple[str, ...] = ()) -> str:
+    if not isinstance(v, str):
+        raise _bad(where, "a string", v)
+    if choices and v not in choices:
+        raise _bad(where, " or ".join(map(json.dumps, choices)), v, wrong_type=False)
+    if not v:
+        raise _bad(where, "a non-empty string", v, wrong_type=False)
+    return v
+
+
+def _boolean(v: Any, where: str) -> bool:
+    if not isinstance(v, bool):
+        raise _bad(where, "true or false", v)
+    return v
+
+
+def _integer(v: Any, where: str, low: int = 1) -> int:
+    if type(v) is not int:  # bool is an int subclass, and True is no size
+        raise _bad(where, "an integer", v)
+    if not low <= v <= MAX_SIZE:
+        raise _bad(where, f"an integer from {low} to 2**62", v, wrong_type=False)
+    return v
+
+
+def _number(v: Any, where: str, above: Optional[float] = None, at_least: Optional[float] = None) -> float:
+    if type(v) not in (int, float):
+        raise _bad(where, "a number", v)
+    try:
+        x = float(v)
+    except OverflowError:  # an integer beyond any float
+        x = math.inf
+    if not math.isfinite(x) or (above is not None and x <= above) or (at_least is not None and x < at_least):
+        bound = "" if above is None else f" above {above:g}"
+        bound += "" if at_least is None else f" of at least {at_least:g}"
+        raise _bad(where, f"a finite number{bound}", v, wrong_type=False)
+    return x
+
+
+def _object(v: Any, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise _bad(where, "an object", v)
+    return v
+
+
+def _array(v: Any, where: str, length: Optional[int] = None) -> list:
+    if not isinstance(v, list):
+        raise _bad(where, "a list", v)
+    if length is not None and len(v) != length:
+        raise SchemaError(f"{where} must hold {length} item{'s' if length > 1 else ''}, got {len(v)}")
+    return v
+
+
+def _get(
+    obj: dict, key: str, where: str, check: Any, *args: Any, optional: bool = False, nullable: bool = False
+) -> Any:
+    """``obj[key]`` checked by ``check(value, path, *args)``; None where ``optional`` lets the key be
+    absent or ``nullable`` lets its value be null."""
+    path = f"{where}.{key}" if where else key
+    if key not in obj:
+        if optional:
+            return None
+        raise SchemaError(f"{path} is missing")
+    if obj[key] is None and nullable:
+        return None
+    return check(obj[key], path, *args)
+
+
+def _dtype_name(v: Any, where: str) -> str:
+    name = _string(v, where)
+    if not (isinstance(getattr(torch, name, None), torch.dtype) and getattr(torch, name).is_floating_point):
+        raise _bad(where, "a floating-point dtype's name (float32, bfloat16...)", v, wrong_type=False)
+    return name
+
+
+def _timings(v: Any, where: str) -> dict:
+    for name, ms in _object(v, where).items():
+        _number(ms, f"{where}.{name}", above=0)
+    return v
+
+
+def _errors(v: Any, where: str) -> dict:
+    for name, err in _object(v, where).items():
+        _number(err, f"{where}.{name}", at_least=0)
+    return v
+
+
+def _point(p: Any, where: str) -> int:
+    """A raw measured point (its M, each backend's time and error); the M comes back."""
+    _object(p, where)
+    for key in ("ms", "first_ms", "confirmed_ms"):  # first timings, and timings taken again
+        _get(p, key, where, _timings, optional=key != "ms")
+    _get(p, "err", where, _errors, optional=True)
+    _get(p, "rejected", where, _object, optional=True)
+    for i, name in enumerate(_get(p, "unchecked", where, _array, optional=True) or []):
+        _string(name, f"{where}.unchecked[{i}]")
+    return _get(p, "m", where, _integer)
+
+
+def _key_fields(e: dict, where: str) -> tuple[tuple, tuple[int, ...]]:
+    """The lookup key and feature sizes of an entry (or a held-out-size record, with the same keys)."""
+    op = _get(e, "op", where, _string, tuple(FEATURE_DIMS))
+    dtype = _get(e, "dtype", where, _dtype_name)
+    activation = _get(e, "activation", where, _string)
+    mode = _get(e, "mode", where, _string, MODES)
+    dropout = _get(e, "dropout", where, _boolean)
+    sizes = _get(e, "features", where, _array, FEATURE_DIMS[op])
+    features = tuple(_integer(f, f"{where}.features[{i}]") for i, f in enumerate(sizes))
+    return _key(op, dtype, activation, mode, dropout), features
+
+
+def _segment(s: Any, where: str) -> Segment:
+    _object(s, where)
+    m_from = _get(s, "m_from", where, _integer)
+    backend = _get(s, "backend", where, _string)
+    runner_up = _get(s, "runner_up", where, _string, optional=True, nullable=True)
+    # runner-up time / winner time - 1: below 0 where a preferred backend won a tie within the noise
+    margin = _get(s, "margin", where, _number, -1.0, optional=True, nullable=True)
+    _get(s, "speedup", where, _number, 0.0, optional=True, nullable=True)
+    _get(s, "errors", where, _errors, optional=True)
+    return Segment(m_from, backend, runner_up, margin)
+
+
+def max_measured_m(entry: dict) -> int:
+    """The largest measured token count of a checked entry: its ``max_m``, else the largest M of its
+    raw points, else (neither kept) where its last segment starts."""
+    if "max_m" in entry:
+        return entry["max_m"]
+    return max((p["m"] for p in entry.get("points", [])), default=entry["segments"][-1]["m_from"])
+
+
+def _parse_entry(e: Any, where: str) -> tuple[tuple, Entry]:
+    """One JSON entry, checked so that lookups on it cannot fail later."""
+    _object(e, where)
+    key, features = _key_fields(e, where)
+    # provenance, optional as hand-written tables leave it out: by default its own activation's timings
+    measured_as = _get(e, "measured_as", where, _string, optional=True) or e["activation"]
+    _get(e, "parity_checked", where, _boolean, optional=True)
+    raw = _get(e, "segments", where, _array)
+    if not raw:
+        raise SchemaError(f"{where}.segments must not be empty")
+    segments = tuple(_segment(s, f"{where}.segments[{i}]") for i, s in enumerate(raw))
     starts = tuple(s.m_from for s in segments)
-    features = tuple(int(f) for f in e["features"])
-    where = f"entry {e.get('op')}/{e.get('activation')} {e.get('features')}"
-    if not segments or starts[0] < 1 or list(starts) != sorted(set(starts)):
-        raise ValueError(f"{where}: bad segments {starts}")
-    if len(features) != (1 if e["op"] == "bias_act_dropout" else 2) or min(features) < 1:
-        raise ValueError(f"{where}: bad feature size")
-    max_m = max((int(p["m"]) for p in e.get("points", [])), default=starts[-1])
-    return Entry(features, segments, starts, str(e.get("measured_as", e["activation"])), max_m)
+    for i in range(1, len(starts)):
+        if starts[i] <= starts[i - 1]:
+            raise SchemaError(
+                f"{where}.segments[{i}].m_from must be above the previous segment's {starts[i - 1]}, "
+                f"got {starts[i]}"
+            )
+    # the raw points: in the calibrator's output, not in a shipped table (benchmarks/results/ has them)
+    for name in ("points", "held_out"):
+        for i, p in enumerate(_get(e, name, where, _array, optional=True) or []):
+            _point(p, f"{where}.{name}[{i}]")
+    _get(e, "max_m", where, _integer, optional=True)
+    return key, Entry(features, segments, starts, measured_as, max_measured_m(e))
+
+
+def _check_device(d: Any) -> dict:
+    _object(d, "device")
+    _get(d, "slug", "device", _string)
+    _get(d, "type", "device", _string)
+    _get(d, "name", "device", _string)
+    cap = _get(d, "capability", "device", _array, 2, optional=True, nullable=True) or []
+    for i, v in enumerate(cap):
+        _integer(v, f"device.capability[{i}]", low=0)
+    _get(d, "sm_count", "device", _integer, 0, optional=True, nullable=True)
+    _get(d, "threads", "device", _integer, optional=True, nullable=True)
+    for key in ("peak_bandwidth_gbs", "measured_bandwidth_gbs"):
+        _get(d, key, "device", _number, 0.0, optional=True, nullable=True)
+    return d
+
+
+def _check_settings(s: Any) -> None:
+    """What ``python -m dispatch.table`` prints of how the table was made; the rest is free-form."""
+    _object(s, "settings")
+    for key in ("quick", "stopped_by_budget"):
+        _get(s, key, "settings", _boolean, optional=True)
+    _get(s, "noise", "settings", _number, None, 0.0, optional=True)
+    _get(s, "elapsed_s", "settings", _number, None, 0.0, optional=True)
+    _get(s, "budget_s", "settings", _number, None, 0.0, optional=True, nullable=True)
+    for i, name in enumerate(_get(s, "preference", "settings", _array, optional=True) or []):
+        _string(name, f"settings.preference[{i}]")
+    for i, run in enumerate(_get(s, "runs", "settings", _array, optional=True) or []):
+        where = f"settings.runs[{i}]"
+        _object(run, where)
+        kind = _get(run, "run", where, _string)
+        _get(run, "elapsed_s", where, _number, None, 0.0)
+        _get(run, "parts", where, _integer, optional=True)
+        _get(run, "date", where, _string, optional=True, nullable=True)
+        families = _get(run, "families", where, _array, optional=kind != "refresh")
+        for j, name in enumerate(families or []):
+            _string(name, f"{where}.families[{j}]")
+
+
+def _check_self_check(c: Any) -> None:
+    _object(c, "self_check")
+    points = _get(c, "points", "self_check", _integer, 0, optional=True)
+    # a summary of some points is printed whole; of none (a run that held none out), it is empty
+    _get(c, "within_5pct", "self_check", _number, None, 0.0, optional=not points, nullable=not points)
+    for key in ("worst_regret", "worst_vs_eager"):
+        _get(c, key, "self_check", _number, optional=not points, nullable=True)
+    _get(c, "confirmed_points", "self_check", _integer, 0, optional=True)
+
+
+def _check_document(data: Any) -> None:
+    """Everything of a table but its entries."""
+    if not isinstance(data, dict):
+        raise SchemaError(f"a table must be a JSON object, got {_type_name(data)}")
+    version = _get(data, "schema_version", "", _integer, 0)
+    if version != SCHEMA_VERSION:
+        raise SchemaError(f"schema_version {version!r}, this code reads {SCHEMA_VERSION}")
+    _check_device(_get(data, "device", "", _object))
+    for name, v in (_get(data, "versions", "", _object, optional=True) or {}).items():
+        if v is not None:
+            _string(v, f"versions.{name}")
+    _get(data, "date", "", _string, optional=True)
+    if "settings" in data:
+        _check_settings(data["settings"])
+    for name, label in (_get(data, "backends", "", _object, optional=True) or {}).items():
+        _string(label, f"backends.{name}")
+    if "self_check" in data:
+        _check_self_check(data["self_check"])
+    if "raw_points" in data:
+        _get(_object(data["raw_points"], "raw_points"), "file", "raw_points", _string)
+    for i, h in enumerate(_get(data, "held_out_sizes", "", _array, optional=True) or []):
+        where = f"held_out_sizes[{i}]"
+        _key_fields(_object(h, where), where)
+        _point(_get(h, "point", where, _object), f"{where}.point")
 
 
 class Table:
-    """One parsed table: ``data`` is the JSON document, ``index`` maps each key to its entries."""
+    """One parsed table: ``data`` is the JSON document, ``index`` maps each key to its entries.
+    Raises SchemaError (naming the field) for a document lookups could not use."""
 
     def __init__(self, data: dict, path: str) -> None:
-        version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {version!r}, this code reads {SCHEMA_VERSION}")
+        _check_document(data)
         self.data, self.path = data, path
         self.device: dict = data["device"]
         self.slug: str = self.device["slug"]
         self.index: dict[tuple, dict[tuple[int, ...], Entry]] = {}
-        for e in data["entries"]:
-            key = _key(e["op"], e["dtype"], e["activation"], e["mode"], e.get("dropout", False))
-            entry = _parse_entry(e)
+        for i, e in enumerate(_get(data, "entries", "", _array)):
+            key, entry = _parse_entry(e, f"entries[{i}]")
             self.index.setdefault(key, {})[entry.features] = entry
 
     def choose(self, call: Call, via: str = "") -> Optional[Choice]:
@@ -191,7 +435,7 @@ class Table:
         return Choice(seg.backend, f"{where}: {call.op} {dtype} {call.activation} {mode}, {'; '.join(notes)}")
 
     def version_mismatch(self) -> list[str]:
-        stored, running = self.data.get("versions", {}), running_versions()
+        stored, running = self.data.get("versions") or {}, running_versions()
         return [f"{k} {stored.get(k)} (running {running[k]})" for k in running if stored.get(k) != running[k]]
 
 
@@ -207,26 +451,99 @@ def load_table(path: str) -> Optional[Table]:
         with open(path, encoding="utf-8") as f:
             return Table(json.load(f), path)
     except Exception as exc:  # a bad table must never break a model: warn and go on without it
-        warnings.warn(
-            f"ignoring heuristics table {path}: {type(exc).__name__}: {exc}", HeuristicsWarning, stacklevel=2
-        )
+        why = str(exc) if isinstance(exc, SchemaError) else f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"ignoring heuristics table {path}: {why}", HeuristicsWarning, stacklevel=2)
         return None
+
+
+WIDTH = 110  # what a line of a saved table holds, where its items can be packed
+
+
+def _depth(v: Any) -> int:
+    if isinstance(v, dict):
+        return 1 + max(map(_depth, v.values()), default=0)
+    if isinstance(v, list):
+        return 1 + max(map(_depth, v), default=0)
+    return 0
+
+
+def _dumps(v: Any, indent: int, in_list: bool) -> str:
+    flat = json.dumps(v, allow_nan=False)
+    depth = _depth(v)
+    # one line: a record of a list (a segment, a point), or a shallow value that fits
+    if depth == 0 or (depth <= 2 and (in_list or indent + len(flat) <= WIDTH)):
+        return flat
+    pad = " " * (indent + 1)
+    body: list[str] = []
+    if isinstance(v, list):
+        body = [pad + _dumps(x, indent + 1, True) for x in v]
+    else:
+        line = ""  # the scalar and flat items, packed into lines
+        for k, x in v.items():
+            item = f"{json.dumps(k)}: {_dumps(x, indent + 1, False)}"
+            short = "\n" not in item
+            if line and short and len(pad) + len(line) + 2 + len(item) <= WIDTH:
+                line += ", " + item
+                continue
+            if line:
+                body.append(pad + line)
+            line = item if short else ""
+            if not short:
+                body.append(pad + item)
+        if line:
+            body.append(pad + line)
+    opening, closing = "[]" if isinstance(v, list) else "{}"
+    return opening + "\n" + ",\n".join(body) + "\n" + " " * indent + closing
+
+
+def dumps(data: Any) -> str:
+    """``data`` as JSON a person can read (one segment or point a line), no NaN or infinity."""
+    return _dumps(data, 0, False)
 
 
 def save_table(data: dict, path: str) -> str:
     """Writes ``data`` to ``path`` atomically (temp file in the same folder + os.replace)."""
+    text = dumps(data) + "\n"  # raises before any file is touched if ``data`` is no JSON
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, allow_nan=False)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
     return path
+
+
+RAW_ENTRY_KEYS = ("points", "held_out")  # an entry's measured points (the fit's and the self-check's)
+
+
+def slim(doc: dict, raw_file: str) -> dict:
+    """The calibrator's output ``doc`` as heuristics/tables/ ships it: every entry's segments and
+    ``max_m``, the provenance and the self-check's summary, without the raw measured points (each
+    entry's points and held-out points, the points at unmeasured sizes, the per-series time log),
+    which stay in ``doc``, saved at ``raw_file`` (named in ``raw_points``). Lookups answer alike."""
+    Table(doc, raw_file)  # a table that would not load is no table to ship
+    moved = [f"entries[].{k}" for k in RAW_ENTRY_KEYS if any(k in e for e in doc["entries"])]
+    moved += ["held_out_sizes"] if "held_out_sizes" in doc else []
+    moved += ["settings.series_seconds"] if "series_seconds" in doc.get("settings", {}) else []
+    out: dict = {}
+    for key, value in doc.items():
+        if key == "held_out_sizes":
+            continue
+        if key == "settings":
+            value = {k: v for k, v in value.items() if k != "series_seconds"}
+        if key == "entries":
+            out["raw_points"] = {"file": raw_file, "moved": moved}
+            keep = [[k for k in e if k not in (*RAW_ENTRY_KEYS, "max_m", "segments")] for e in value]
+            value = [  # max_m before the segments, so that a person reads the key, then the cuts
+                {**{k: e[k] for k in ks}, "max_m": max_measured_m(e), "segments": e["segments"]}
+                for e, ks in zip(value, keep, strict=True)
+            ]
+        out[key] = value
+    return out
 
 
 # ----------------------------------------------------------------------------- which table, cached

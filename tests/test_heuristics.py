@@ -255,3 +255,53 @@ def test_cached_lookup_is_cheap(dirs):
     for _ in range(10000):
         heuristics.lookup(call)
     assert (time.perf_counter() - start) / 10000 < 3e-6 * 5  # an lru_cache hit; generous for loaded CI
+
+
+def test_saved_table_is_readable_one_segment_a_line(tmp_path):
+    doc = document([entry([(1, "eager"), (80, "triton"), (3000, "inductor")])])
+    path = heuristics.save_table(doc, str(tmp_path / "t.json"))
+    with open(path) as f:
+        text = f.read()
+    assert json.loads(text) == doc
+    lines = [line.strip().rstrip(",") for line in text.splitlines()]
+    for record in doc["entries"][0]["segments"] + doc["entries"][0]["points"]:
+        assert json.dumps(record) in lines  # each on a line of its own
+    assert max(map(len, text.splitlines())) < 200 and len(lines) < 40
+
+
+def test_max_m_marks_calls_past_it_without_points(dirs):
+    user, _ = dirs
+    e = {k: v for k, v in entry([(1, "eager"), (80, "triton")]).items() if k not in ("points", "held_out")}
+    heuristics.save_table(document([{**e, "max_m": 5000}]), str(user / "t.json"))
+    assert "beyond the largest" not in heuristics.lookup(bad_call(5000)).description
+    assert "beyond the largest measured M=5000" in heuristics.lookup(bad_call(5001)).description
+    heuristics.save_table(document([e]), str(user / "t.json"))  # neither: where the last segment starts
+    heuristics.reload()
+    assert "beyond the largest measured M=80" in heuristics.lookup(bad_call(81)).description
+
+
+def test_slim_drops_the_raw_points_and_answers_alike():
+    entries = [
+        entry([(1, "eager"), (80, "triton")], points=(1, 64, 96, 7000)),
+        entry([(1, "nvfuser")], op="fused_linear", features=(64, 32), dropout=False, points=(2, 8)),
+    ]
+    doc = {
+        **document(entries),
+        "settings": {"series_seconds": [{"series": "x"}], "noise": 0.03},
+        "held_out_sizes": [{**entries[0], "point": entries[0]["points"][0]}],
+    }
+    slim = heuristics.slim(doc, "results/raw.json")
+    assert "held_out_sizes" not in slim and slim["settings"] == {"noise": 0.03}
+    assert [e["max_m"] for e in slim["entries"]] == [7000, 8]
+    assert all("points" not in e and "held_out" not in e for e in slim["entries"])
+    assert (
+        slim["raw_points"]["file"] == "results/raw.json" and "held_out_sizes" in slim["raw_points"]["moved"]
+    )
+    assert doc["entries"][0]["points"]  # the calibrator's document is left whole
+    full, thin = heuristics.Table(doc, "t"), heuristics.Table(slim, "t")
+    for m in (1, 79, 80, 7000, 7001, 10**6):
+        for n in (4096, 100):
+            assert full.choose(bad_call(m, n=n)) == thin.choose(bad_call(m, n=n))
+        linear = Call("fused_linear", CPU, torch.float32, (m, 64, 32), "gelu", False, True)
+        assert full.choose(linear) == thin.choose(linear) and full.choose(linear).backend == "nvfuser"
+    assert "beyond the largest measured M=7000" in thin.choose(bad_call(7001)).description
