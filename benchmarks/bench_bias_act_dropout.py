@@ -1,66 +1,76 @@
-"""fused_bias_act_dropout on the device: every backend vs a device copy of the same tensor.
+"""fused_bias_act_dropout: every backend next to plain PyTorch, torch.compile and a device copy.
 
-    PYTHONPATH=. python3 benchmarks/bench_bias_act_dropout.py --out DIR [--quick] [--budget-s S]
+    python benchmarks/bench_bias_act_dropout.py [--out DIR] [--quick] [--modes forward,backward]
 
-Rows are (M, N, dtype, activation, p, mode); mode "inference" times the forward under no_grad,
-"training" forward + backward (torch.autograd.grad of x and bias). Entries:
-  <backend>      each registered backend that can serve the call, via fused_bias_act_dropout(backend=)
-  compile        torch.compile of the eager reference, only when no "inductor" backend is registered
-  triton-direct  decode rows, and training rows of >= 2**26 elements: the triton kernels called directly
-                 (no dispatch, no autograd, rng drawn once), to tell the kernels' time from the host's
-  copy           dst.copy_(x), the same tensor in the same run: the bandwidth ceiling
-Minimum bytes (s = itemsize): inference 2*M*N*s (read x, write y); training 5*M*N*s (adds read
-grad_y, read x, write grad_x). Per entry: time, GB/s, % of the copy's GB/s, time / copy time, speedup
-vs eager and vs inductor, first-call seconds (compiles). Outputs (and gradients) are checked against
-eager's before timing. Backends that compile per kind of call (inductor, nvfuser, compile) run on the
-FOCUS rows only unless --all-backends; a time budget stops new rows once spent, rows in priority
-order (the issue-3 target rows first). Prints the rows where triton loses, then the targets, last.
+Inputs: real-model feature sizes N (dispatch.shapes) at token counts M from decode (1) to 65536,
+bf16 / fp16 / fp32, gelu and relu, p = 0.1 and 0, the large and decode rows first; on a machine
+without CUDA a few small float32 shapes (a smoke run of the script and the CPU backends).
+Modes: forward (under no_grad), backward (autograd.grad of x and bias from a kept graph),
+forward+backward. Entries:
+  <backend>  each registered backend that serves the call, fused_bias_act_dropout(backend=...);
+             the others are listed with the registry's reason
+  dispatch   the public op choosing for itself (its pick in the "picked" column)
+  pytorch    F.dropout(act(x + b), p): the composite a user writes, under PyTorch's autograd
+  compile    torch.compile(dynamic=True) of that composite
+  copy       dst.copy_(x) of the same tensor in the same run: the bandwidth ceiling
+Minimum bytes (s = itemsize): forward 2MNs (read x, write y), backward 3MNs (read grad_y and x,
+write grad_x; the mask is regenerated), forward+backward 5MNs. Per entry: GPU time (CUDA graph) and
+wall time (do_bench; perf_counter on the CPU), GB/s and % of the copy's (GPU time), speedups vs
+pytorch and compile on both clocks. Outputs and gradients are checked against the eager backend's
+before timing (same mask: every backend follows dispatch.rng's spec; pytorch and compile draw their
+own, so they are checked at p = 0 only). nvfuser compiles per shape:
+it runs on the FOCUS rows only unless --all-backends. A time budget stops new rows once spent.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import functools
 import time
 from typing import Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-from tabulate import tabulate  # noqa: E402
-
-from benchmarks import common  # noqa: E402
+from dispatch import timing
 
 NS = (768, 1024, 3072, 4096, 5120, 11008, 14336, 28672)
 MS = (1, 32, 512, 4096, 16384, 65536)
 MAX_ELEMENTS = 2**29  # the sweep's largest shapes (bf16: 1 GB a tensor)
 BIG, DECODE = (65536, 4096), (1, 4096)
+CPU_SHAPES = ((256, 1024), (1, 1024))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-MODES = ("inference", "training")
-FAST = ("copy", "triton", "triton-direct", "eager")  # cheap to set up: every row
+MODES = common.MODES
+PER_SHAPE = ("nvfuser",)  # TorchScript specializes per shape: 4-6 s a new shape (calibration logs)
+COPY_BYTES_PER_MS = 4.14e9  # H200 device copy, 4.14 TB/s (benchmarks/PERF.md)
 
 
-def grid(quick: bool) -> list[tuple]:
+def grid(device: torch.device, quick: bool, modes: tuple[str, ...]) -> list[tuple]:
     """(M, N, dtype, activation, p, mode, focus) in priority order, without repeats."""
+    if device.type != "cuda":
+        shapes = CPU_SHAPES[:1] if quick else CPU_SHAPES
+        return [
+            (m, n, "fp32", "gelu", p, mode, True) for m, n in shapes for p in (0.1, 0.0) for mode in modes
+        ]
     if quick:
         rows = [
             (m, n, "bf16", "gelu", p, mode, (m, n, p) == (*BIG, 0.1))
             for (m, n) in (BIG, DECODE)
             for p in (0.1, 0.0)
-            for mode in MODES
+            for mode in modes
         ]
-        return rows + [(*BIG, "fp32", "gelu", 0.1, mode, False) for mode in MODES]
+        return rows + [(*BIG, "fp32", "gelu", 0.1, mode, False) for mode in modes]
     rows = []
     for shape in (BIG, DECODE):
         for dt in DTYPES:
             for act in ("gelu", "relu"):
                 for p in (0.1, 0.0):
                     focus = dt == "bf16" and (shape == BIG or (act, p) == ("gelu", 0.1))
-                    rows += [(*shape, dt, act, p, mode, focus) for mode in MODES]
+                    rows += [(*shape, dt, act, p, mode, focus) for mode in modes]
     sweep = {n: [m for m in MS if m * n <= MAX_ELEMENTS] for n in NS}
-    rows += [(ms[-1], n, "bf16", "gelu", 0.1, mode, True) for n, ms in sweep.items() for mode in MODES]
+    rows += [(ms[-1], n, "bf16", "gelu", 0.1, mode, True) for n, ms in sweep.items() for mode in modes]
     rows += [
-        (m, n, "bf16", "gelu", 0.1, mode, False) for n, ms in sweep.items() for m in ms[:-1] for mode in MODES
+        (m, n, "bf16", "gelu", 0.1, mode, False) for n, ms in sweep.items() for m in ms[:-1] for mode in modes
     ]
     seen, out = set(), []
     for r in rows:
@@ -71,64 +81,42 @@ def grid(quick: bool) -> list[tuple]:
 
 
 def min_bytes(m: int, n: int, itemsize: int, mode: str) -> int:
-    return (2 if mode == "inference" else 5) * m * n * itemsize
+    return {"forward": 2, "backward": 3, "forward+backward": 5}[mode] * m * n * itemsize
 
 
 # ----------------------------------------------------------------------------- entries
 
 
-def _op(name: str, activation: str, p: float) -> Callable:
+def _op(backend: Optional[str], activation: str, p: float) -> Callable:
     from dispatch import fused_bias_act_dropout
 
-    return lambda x, b, gen=None: fused_bias_act_dropout(x, b, activation, p, generator=gen, backend=name)
+    return lambda x, b, gen=None: fused_bias_act_dropout(x, b, activation, p, generator=gen, backend=backend)
 
 
-def _compiled(activation: str, p: float) -> Callable:
-    """torch.compile of the eager reference (its rng drawn like the op's, outside the graph)."""
-    from backends.eager.bias_act_dropout import reference
-    from dispatch import rng as dropout_rng
+def _pytorch(activation: str, p: float) -> Callable:
+    from dispatch.activations import ACTIVATIONS
 
-    fn = torch.compile(lambda x, b, rng: reference(x, b, activation, p, rng), dynamic=True)
-
-    def run(x, b, gen=None):
-        # the op's draw (host integers on CUDA) as a tensor: an int argument would recompile per call
-        return fn(x, b, dropout_rng.as_tensor(dropout_rng.draw_for(x, gen), x.device) if p > 0 else None)
-
-    return run
+    act = ACTIVATIONS[activation].forward
+    return lambda x, b, gen=None: F.dropout(act(x + b), p, training=True)
 
 
-def _direct(activation: str, p: float, x) -> Callable:
-    """The triton kernels without dispatch: rng drawn once, autograd by hand."""
-    from backends.triton import bias_act_dropout as op
-    from dispatch import rng as dropout_rng
+@functools.cache
+def _compiled(activation: str, p: float, backward_only: bool) -> Callable:
+    """One compiled function per (activation, p): dynamic=True, so new shapes reuse its graph. The
+    backward mode gets its own, traced without buffer donation (``common.timed``)."""
+    composite = _pytorch(activation, p)
 
-    rng = dropout_rng.draw_for(x) if p > 0 else None
+    def kept_graph(x, b):  # a code object of its own: dynamo caches graphs per code object
+        return composite(x, b)
 
-    def run(x, b, gen=None):
-        return op.forward(x.detach(), b.detach(), activation, p, rng)
-
-    run.backward = lambda gy, x, b: op.backward(gy, x.detach(), b.detach(), activation, p, rng, True, True)
-    return run
-
-
-def _timed(fn: Callable, mode: str, x, b, gy) -> Callable[[], object]:
-    if mode == "inference":
-
-        def run():
-            with torch.no_grad():
-                return fn(x, b)
-
-        return run
-    if hasattr(fn, "backward"):
-        return lambda: (fn(x, b), fn.backward(gy, x, b))
-    leaves = (x.detach().requires_grad_(), b.detach().requires_grad_())
-    return lambda: torch.autograd.grad(fn(*leaves), leaves, gy)
+    fn = torch.compile(kept_graph if backward_only else composite, dynamic=True)
+    return lambda x, b, gen=None: fn(x, b)
 
 
-def _results(fn: Callable, mode: str, x, b, gy) -> list[torch.Tensor]:
+def results(fn: Callable, mode: str, x, b, gy) -> list[torch.Tensor]:
     """Output (and gradients) with a generator seeded 0: the same mask for every backend."""
     gen = torch.Generator(device=x.device).manual_seed(0)
-    if mode == "inference":
+    if mode == "forward":
         with torch.no_grad():
             return [fn(x, b, gen)]
     leaves = (x.detach().requires_grad_(), b.detach().requires_grad_())
@@ -136,291 +124,168 @@ def _results(fn: Callable, mode: str, x, b, gy) -> list[torch.Tensor]:
     return [y.detach(), *torch.autograd.grad(y, leaves, gy)]
 
 
-def _compare(results: list[torch.Tensor], eager: list[torch.Tensor]) -> str:
+def compare_results(got: list[torch.Tensor], ref: list[torch.Tensor]) -> str:
     from dispatch.tolerances import allowed_error, max_error
 
     bad = []
-    for name, got, ref in zip(("y", "grad_x", "grad_bias"), results, eager):
-        err, allowed = max_error(got, ref), allowed_error(ref, got.dtype)
+    for name, g, r in zip(("y", "grad_x", "grad_bias"), got, ref):
+        err, allowed = max_error(g, r), allowed_error(r, g.dtype)
         if not err <= allowed:
             bad.append(f"{name} err {err:.3g} > {allowed:.3g}")
     return "; ".join(bad) or "ok"
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _measure(
-    run: Callable[[], object], rep_ms: float
-) -> tuple[Optional[float], Optional[float], Optional[str]]:
-    """(first-call seconds, median ms) of ``run``, or the error that stopped it."""
-    try:
-        start = time.perf_counter()
-        run()
-        _sync()
-        first = time.perf_counter() - start
-        return first, common.time_ms(run, warmup_ms=max(5, int(rep_ms) // 4), rep_ms=int(rep_ms)), None
-    except Exception as err:  # one failing entry must not end the run
-        _sync()
-        return None, None, f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
-
-
-def _entries(row: dict, x, names: list[str], focus: bool) -> dict[str, Callable]:
-    from dispatch.registry import Call, backends
+def entries(row: dict, x, b, names: list[str], focus: bool) -> dict[str, Callable]:
+    from dispatch import explain
+    from dispatch.registry import Call
 
     act, p, mode = row["act"], row["p"], row["mode"]
-    call = Call("bias_act_dropout", x.device, x.dtype, tuple(x.shape), act, p > 0, mode == "training")
-    entries: dict[str, Callable] = {}
-    for name in sorted(names, key=lambda n: n != "eager"):
-        if name not in FAST and not focus:
-            continue
-        why = backends()[name].not_supported_reasons(call)
-        if why:
-            row[f"skip:{name}"] = "; ".join(why)[:200]
-            continue
-        entries[name] = _op(name, act, p)
-        if name == "triton" and (row["M"] <= 64 or (mode == "training" and row["M"] * row["N"] >= 2**26)):
-            entries["triton-direct"] = _direct(act, p, x)
-    if "inductor" not in backends() and focus:
-        entries["compile"] = _compiled(act, p)
-    return entries
+    call = Call("bias_act_dropout", x.device, x.dtype, tuple(x.shape), act, p > 0, mode != "forward")
+    ok, why = common.available(call, names)
+    out: dict[str, Callable] = {}
+    for name in ok:
+        if name in PER_SHAPE and not focus:
+            row[f"skip:{name}"] = "compiles per shape: FOCUS rows only (--all-backends)"
+        else:
+            out[name] = _op(name, act, p)
+    for name, reason in why.items():
+        row[f"skip:{name}"] = reason
+    with torch.set_grad_enabled(mode != "forward"):
+        probe = x.detach().requires_grad_(mode != "forward")
+        row["picked"] = explain("fused_bias_act_dropout", probe, b, act, p).backend.name
+    out["dispatch"] = _op(None, act, p)
+    out["pytorch"] = _pytorch(act, p)
+    out["compile"] = _compiled(act, p, mode == "backward")
+    return out
 
 
-def measure_row(m, n, dt, act, p, mode, focus, args, names) -> dict:
+def measure_row(m, n, dt, act, p, mode, focus, args, names, device) -> dict:
     dtype = DTYPES[dt]
-    row = dict(M=m, N=n, elements=m * n, dtype=dt, act=act, p=p, mode=mode)
+    row = dict(M=m, N=n, dtype=dt, act=act, p=p, mode=mode)
     nbytes = min_bytes(m, n, dtype.itemsize, mode)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(m, n, device=device).to(dtype)
     b = torch.randn(n, device=device).to(dtype)
     gy = torch.randn(m, n, device=device).to(dtype)
-    rep_ms = max(args.rep_ms, 8 * nbytes / 4.14e9)  # >= ~5 timed runs at the H200's copy speed
+    fns = entries(row, x, b, names, focus)
+    runs = {name: common.timed(fn, mode, (x, b), gy) for name, fn in fns.items()}
     dst = torch.empty_like(x)
-    _, copy_ms, _ = _measure(lambda: dst.copy_(x), rep_ms)
-    row["us:copy"] = None if copy_ms is None else copy_ms * 1e3
-    entries = _entries(row, x, names, focus)
-    eager = None
-    for name, fn in entries.items():  # eager first: its results validate the others
-        if name != "triton-direct":
-            try:  # the first call (compiles, if the entry does), checked against eager's results
-                start = time.perf_counter()
-                results = _results(fn, mode, x, b, gy)
-                _sync()
-                row[f"first_s:{name}"] = time.perf_counter() - start
-                eager = results if name == "eager" else eager
-                row[f"valid:{name}"] = "reference" if name == "eager" else _compare(results, eager or results)
-            except Exception as err:  # one failing entry must not end the run
-                _sync()
-                row[f"error:{name}"] = (
-                    f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
-                )
-                continue
-        first, ms, err = _measure(_timed(fn, mode, x, b, gy), rep_ms)
-        row.setdefault(f"first_s:{name}", first)
-        row[f"us:{name}"] = None if ms is None else ms * 1e3
-        if err:
-            row[f"error:{name}"] = err
-    _ratios(row, nbytes, 2 * m * n * dtype.itemsize)
+    runs["copy"] = lambda: dst.copy_(x)
+    reference: list = []
+
+    def check(name: str) -> str:
+        if name == "copy":
+            return ""
+        if name in common.BASELINES and p > 0:
+            return "baseline (PyTorch's own mask)"
+        if not reference:
+            reference.extend(results(fns["eager"], mode, x, b, gy))
+        return (
+            "reference" if name == "eager" else compare_results(results(fns[name], mode, x, b, gy), reference)
+        )
+
+    rep_ms = max(args.rep_ms, 8 * nbytes / COPY_BYTES_PER_MS)  # >= ~8 timed calls at copy speed
+    measured = timing.compare(runs, device, check=check, rounds=args.rounds, rep_ms=rep_ms)
+    common.record(row, measured)
+    rates(row, nbytes, 2 * m * n * dtype.itemsize)
+    common.speedups(row)
     return row
 
 
-def _ratios(row: dict, nbytes: int, copy_bytes: int) -> None:
-    copy_us = row.get("us:copy")
-    copy_gbs = copy_bytes / copy_us / 1e3 if copy_us else None
-    for key in [k for k in row if k.startswith("us:") and row[k]]:
-        name = key[3:]
+def rates(row: dict, nbytes: int, copy_bytes: int) -> None:
+    """GB/s by the minimum bytes, % of the copy's GB/s, time / copy time: on the GPU clock (wall on CPU)."""
+    clock = "gpu_us:" if any(k.startswith("gpu_us:") for k in row) else "wall_us:"
+    copy_us = row.get(clock + "copy")
+    for key in [k for k in row if k.startswith(clock) and row[k]]:
+        name = key[len(clock) :]
         row[f"gbs:{name}"] = nbytes / row[key] / 1e3
         if copy_us and name != "copy":
-            row[f"pct_copy:{name}"] = 100 * row[f"gbs:{name}"] / copy_gbs
+            row[f"pct_copy:{name}"] = 100 * row[f"gbs:{name}"] / (copy_bytes / copy_us / 1e3)
             row[f"x_copy:{name}"] = row[key] / copy_us
-    t = row.get("us:triton")
-    if t:
-        for other in ("eager", "inductor", "compile"):
-            if row.get(f"us:{other}"):
-                row[f"x_{other}"] = row[f"us:{other}"] / t  # > 1: triton is faster
 
 
 # ----------------------------------------------------------------------------- report
 
 
-def targets(row: dict) -> list[tuple[str, Optional[float], float, str]]:
-    """(name, value, goal, sense) of the issue-3 targets that apply to ``row``; sense '<=' or '>='."""
-    out = []
-    train = row["mode"] == "training"
-    if (row["M"], row["N"]) == DECODE:
-        out.append(("us", row.get("us:triton"), 60.0 if train else 6.0, "<="))
-    elif row["elements"] >= 2**26:
-        if train:
-            goal = 3.1 if row["p"] > 0 else 2.8
-            out.append(("x_copy", row.get("x_copy:triton"), goal, "<="))
-            if row.get("x_copy:triton-direct") is not None:  # the kernels alone, without autograd's host time
-                out.append(("x_copy(direct)", row.get("x_copy:triton-direct"), goal, "<="))
-        else:
-            strict = row["p"] == 0 or row["dtype"] == "fp32"
-            out.append(("x_copy", row.get("x_copy:triton"), 1.11 if strict else 1.25, "<="))
-            if row["p"] > 0:
-                out.append(("x_eager", row.get("x_eager"), 3.0, ">="))
-                out.append(("x_inductor", row.get("x_inductor", row.get("x_compile")), 2.5, ">="))
-    if train and row.get("x_inductor", row.get("x_compile")) is not None:
-        out.append(("x_inductor", row.get("x_inductor", row.get("x_compile")), 1.0, ">"))
-    return out
-
-
-def _verdict(value: Optional[float], goal: float, sense: str) -> str:
-    if value is None:
-        return "n/a"
-    ok = value <= goal if sense == "<=" else value >= goal if sense == ">=" else value > goal
-    return f"{'PASS' if ok else 'MISS'} {value:.3g} ({sense} {goal:g})"
-
-
-def summary(rows: list[dict]) -> list[list]:
-    out = []
-    for r in rows:
-        checks = targets(r) if "us:copy" in r else []
-        if checks:
-            verdicts = [f"{name} {_verdict(v, goal, sense)}" for name, v, goal, sense in checks]
-            out.append(
-                [
-                    r["M"],
-                    r["N"],
-                    r["dtype"],
-                    r["act"],
-                    r["p"],
-                    r["mode"],
-                    r.get("us:triton"),
-                    "; ".join(verdicts),
-                ]
-            )
-    return out
-
-
-def losses(rows: list[dict]) -> list[list]:
-    """Rows where some other entry beats triton through the public op (the dispatcher's business)."""
-    out = []
-    for r in rows:
-        t = r.get("us:triton")
-        rivals = {
-            k[3:]: v
-            for k, v in r.items()
-            if k.startswith("us:") and v and k[3:] not in ("triton", "triton-direct", "copy")
-        }
-        if t and rivals and min(rivals.values()) < t:
-            best = min(rivals, key=rivals.get)
-            out.append(
-                [
-                    r["M"],
-                    r["N"],
-                    r["dtype"],
-                    r["act"],
-                    r["p"],
-                    r["mode"],
-                    t,
-                    best,
-                    rivals[best],
-                    t / rivals[best],
-                ]
-            )
-    return out
-
-
-def plot(rows: list[dict], out: str) -> None:
+def plot(rows: list[dict], args) -> None:
+    """GB/s against M, a panel per N, bf16 gelu p = 0.1, one figure per mode."""
     for mode in MODES:
-        panels = [
-            (f"N = {n}", [r for r in rows if r.get("N") == n and r["mode"] == mode and r["dtype"] == "bf16"
-                          and r["act"] == "gelu" and r["p"] == 0.1 and "us:copy" in r])  # fmt: skip
-            for n in NS
-        ]
-        title = f"fused_bias_act_dropout bf16 gelu p=0.1, {mode}"
-        path = os.path.join(out, f"bias_act_dropout_{mode}.png")
-        common.plot_panels(panels, "gbs", "copy", "GB/s (minimum bytes)", title, path)
+        shown = [r for r in rows if (r["mode"], r["dtype"], r["act"], r["p"]) == (mode, "bf16", "gelu", 0.1)]
+        panels = [(f"N = {n}", [r for r in shown if r["N"] == n and "gbs:copy" in r]) for n in NS]
+        if any(rs for _, rs in panels):
+            title = f"fused_bias_act_dropout bf16 gelu p=0.1, {mode} (GPU time)"
+            out = common.path(args, f"bias_act_dropout_{mode.replace('+', '_')}", "png")
+            common.plot_panels(panels, "gbs", "copy", "GB/s (minimum bytes)", title, out)
+
+
+def dispatch_summary(rows: list[dict], names: list[str]) -> tuple[list[list], list[str]]:
+    """Per row: the dispatcher's pick against the fastest backend on each clock."""
+    lines = []
+    for r in rows:
+        if "picked" not in r:
+            continue
+        line = [r["M"], r["N"], r["dtype"], r["act"], r["p"], r["mode"], r["picked"]]
+        for clock in common.CLOCKS:
+            best = common.fastest(r, names, clock)
+            mine = r.get(f"{clock}_us:dispatch")
+            line += [best, mine / r[f"{clock}_us:{best}"] if best and mine else None]
+        lines.append(line)
+    heads = ["M", "N", "dtype", "act", "p", "mode", "picked", "fastest gpu", "dispatch/fastest gpu"]
+    return lines, heads + ["fastest wall", "dispatch/fastest wall"]
 
 
 def main() -> None:
     p = common.parser(__doc__.split("\n\n")[0])
     p.add_argument(
-        "--all-backends", action="store_true", help="compiling backends on every row, not only FOCUS rows"
+        "--modes", default="forward,forward+backward", help=f"comma-separated, of {', '.join(MODES)}"
     )
     p.add_argument(
-        "--budget-s",
-        type=float,
-        default=None,
-        help="stop starting rows after this many seconds (default 220, quick 50)",
+        "--all-backends", action="store_true", help="per-shape compilers on every row, not FOCUS only"
     )
-    p.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per entry")
     p.add_argument(
-        "--smoke-cpu",
-        action="store_true",
-        help="run tiny shapes on CPU (interpreter): checks this script only",
+        "--budget-s", type=float, help="start no row after this many seconds (default 220; quick 50)"
     )
+    p.add_argument("--rep-ms", type=float, default=40.0, help="time per entry and clock over all rounds (ms)")
+    p.add_argument("--rounds", type=int, default=timing.ROUNDS, help="interleaved rounds per row (median)")
     args = p.parse_args()
-    if not torch.cuda.is_available() and not args.smoke_cpu:
-        sys.exit("bench_bias_act_dropout needs a CUDA GPU (or --smoke-cpu to check the script itself)")
-    if args.smoke_cpu:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from dispatch.registry import backends
-
-    names = ["triton", "eager"] + [
-        n for n, be in backends().items() if n not in ("triton", "eager") and not be.unavailable()
-    ]
-    names = [n for n in names if not backends()[n].unavailable()]
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if not set(modes) <= set(MODES):
+        p.error(f"--modes: expected some of {', '.join(MODES)}, got {args.modes!r}")
+    device = common.setup(args)
+    names = common.registered()
     budget = args.budget_s or (50.0 if args.quick else 220.0)
-    todo = (
-        [(m, 24, "bf16", "gelu", 0.1, mode, False) for m in (1, 4) for mode in MODES]
-        if args.smoke_cpu
-        else grid(args.quick)
-    )
     start = time.perf_counter()
     rows: list[dict] = []
-    for m, n, dt, act, pr, mode, focus in todo:
-        row = dict(M=m, N=n, elements=m * n, dtype=dt, act=act, p=pr, mode=mode)
+    for m, n, dt, act, pr, mode, focus in grid(device, args.quick, modes):
+        row = dict(M=m, N=n, dtype=dt, act=act, p=pr, mode=mode)
         if time.perf_counter() - start > budget:
             rows.append({**row, "skipped": "time budget"})
             continue
         try:
-            row = measure_row(m, n, dt, act, pr, mode, focus or args.all_backends, args, names)
-        except Exception as err:  # e.g. out of memory: record and go on
-            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            row = measure_row(m, n, dt, act, pr, mode, focus or args.all_backends, args, names, device)
+        except Exception as exc:  # e.g. out of memory: record and go on
+            row["error"] = timing.describe(exc)
         rows.append(row)
-        if torch.cuda.is_available():
+        if device.type == "cuda":
             torch.cuda.empty_cache()
-        print(f"[{time.perf_counter() - start:5.0f}s] {m}x{n} {dt} {act} p={pr} {mode}: "
-              + " ".join(f"{k[3:]}={v:.1f}us" for k, v in row.items() if k.startswith("us:") and v), flush=True)  # fmt: skip
-    shown = ["M", "N", "dtype", "act", "p", "mode", "us:copy", "us:triton", "gbs:triton", "pct_copy:triton",
-             "x_copy:triton", "x_eager", "x_inductor", "us:eager"] + [f"us:{n}" for n in names if n not in ("triton", "eager")]  # fmt: skip
-    common.write("bias_act_dropout", rows, args.out, headers=shown)
-    if common.have_matplotlib() and not args.quick and not args.smoke_cpu:
-        try:
-            plot(rows, args.out)
-        except Exception as err:
-            print(f"plot failed: {err!r}")
-    first = {
-        k[8:]: max(r[k] for r in rows if r.get(k))
-        for k in {k for r in rows for k in r if k.startswith("first_s:")}
-    }
-    print(
-        "\nslowest first call (compile) per entry, s: "
-        + ", ".join(f"{k} {v:.2f}" for k, v in sorted(first.items()))
-    )
-    lost = losses(rows)
-    print(f"\nrows where triton loses ({len(lost)}):")
-    print(
-        tabulate(
-            lost,
-            headers=["M", "N", "dtype", "act", "p", "mode", "triton us", "best", "best us", "triton/best"],
-            floatfmt=".3g",
-        )
-    )
-    print(
-        f"\nissue-3 targets: rows >= 2**26 elements and decode {DECODE} ({time.perf_counter() - start:.0f}s)"
-    )
-    print(
-        tabulate(
-            summary(rows),
-            headers=["M", "N", "dtype", "act", "p", "mode", "triton us", "targets"],
-            floatfmt=".4g",
-        )
+        times = " ".join(f"{k[7:]}={v:.1f}" for k, v in row.items() if k.startswith("gpu_us:") and v)
+        walls = " ".join(f"{k[8:]}={v:.1f}" for k, v in row.items() if k.startswith("wall_us:") and v)
+        took = time.perf_counter() - start
+        print(f"[{took:5.0f}s] {m}x{n} {dt} {act} p={pr} {mode}: gpu us {times or '-'}; "
+              f"wall us {walls or row.get('error', '-')}", flush=True)  # fmt: skip
+    skipped = {k[5:]: v for r in rows for k, v in r.items() if k.startswith("skip:")}
+    for name, why in sorted(skipped.items()):
+        print(f"skipped {name}: {why}")
+    common.write(args, "bias_act_dropout", {"rows": rows}, device)
+    if not args.quick:
+        common.plot_or_say(plot, rows, args)
+    keys = ["M", "N", "dtype", "act", "p", "mode"]
+    common.print_table(*dispatch_summary(rows, names), title="the dispatcher's pick vs the fastest backend")
+    metrics = [("GB/s", "gbs"), ("% copy", "pct_copy")]
+    lines, heads = common.long_table(rows, keys, metrics)
+    common.print_table(
+        lines,
+        heads,
+        title=f"every entry (x = baseline's time / entry's; {time.perf_counter() - start:.0f} s)",
     )
 
 

@@ -10,7 +10,8 @@ its own arguments (triton's bias_act_dropout), the public op, having checked the
 dispatcher adds net of the check it saves. Timed with ``time.perf_counter`` over
 ``--calls`` back-to-back calls, median of ``--repeats`` samples, the two sides interleaved so that
 drift hits both, and the samples of every case spread over the whole run (passes over all cases).
-(``do_bench`` times device kernels; this is host time, so it is not used here.)
+This is host time: neither GPU clock applies (``dispatch.timing``'s do_bench and CUDA-graph clocks
+time device kernels, and the tiny kernels here finish before the host launches the next).
 
 Each row also gives ``paired_overhead_us``: the median of api - direct over calls timed one by one
 in adjacent pairs (``_paired_us``), the two sides in the same host state.
@@ -25,7 +26,7 @@ returns a preallocated tensor, chosen through ``DISPATCH_BACKEND`` so the steady
 variable, environment setting, cache) is the one every call takes. CPU runs use one intra-op thread:
 a 256-element GELU took 0.1-0.8 ms with two threads on a busy 2-core machine, drowning microseconds.
 
-    python benchmarks/bench_dispatch_overhead.py [--out DIR] [--quick]
+    python benchmarks/bench_dispatch_overhead.py [--out DIR] [--quick] [--calls N] [--repeats R]
 """
 
 from __future__ import annotations
@@ -33,20 +34,16 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-import sys
-import time
 from typing import Callable, Iterator
 
+import common
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import common  # noqa: E402
-
-from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear, native  # noqa: E402
-from dispatch import rng as dropout_rng  # noqa: E402
-from dispatch.api import _BiasActDropout, fused_linear_training  # noqa: E402
-from dispatch.registry import Backend, backends, fused_linear_inference, register  # noqa: E402
-from dispatch.select import ENV_VAR, clear_cache  # noqa: E402
+from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear, timing
+from dispatch import rng as dropout_rng
+from dispatch.api import _BiasActDropout, fused_linear_training
+from dispatch.registry import Backend, backends, fused_linear_inference, register
+from dispatch.select import ENV_VAR, clear_cache
 
 TARGET_US = 3.0
 # Tiny, so that kernels cost little next to the host work; M even: the 3-D cases view x as (2, M // 2, .)
@@ -54,14 +51,7 @@ M, N, K = 4, 64, 64
 
 
 def _per_call_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / calls * 1e6
+    return timing.back_to_back_ms(fn, (), calls, device) * 1e3
 
 
 def _sample(
@@ -82,24 +72,12 @@ def _sample(
 
 
 def _paired_us(api: Callable[[], object], direct: Callable[[], object], calls: int) -> list[float]:
-    """Per-call differences api - direct, each pair timed call by call with the two calls adjacent (their
-    order swapped every pair), so that both sides run in the same state of the host: after the same
-    kind of work, in the same phase of its clock. (The loops of ``_sample`` run each side alone: its
-    code stays hot in the CPU caches in a way it does not between a model's other ops, and the two loops
-    run at different moments.) perf_counter_ns around each call: ~0.1 us of timer, the same both sides."""
-    clock = time.perf_counter_ns
-    diffs = []
-    for i in range(calls):
-        api_first = i % 2 == 0
-        first, second = (api, direct) if api_first else (direct, api)
-        t0 = clock()
-        first()
-        t1 = clock()
-        second()
-        t2 = clock()
-        api_ns, direct_ns = (t1 - t0, t2 - t1) if api_first else (t2 - t1, t1 - t0)
-        diffs.append((api_ns - direct_ns) / 1e3)
-    return diffs
+    """Per-call differences api - direct (us), each pair timed call by call with the two calls adjacent
+    (``timing.paired_diffs_ms``), so both sides run in the same state of the host. (The loops of
+    ``_sample`` run each side alone: its code stays hot in the CPU caches in a way it does not between
+    a model's other ops, and the two loops run at different moments.) perf_counter_ns around each
+    call: ~0.1 us of timer, the same both sides."""
+    return [d * 1e3 for d in timing.paired_diffs_ms(api, direct, calls)]
 
 
 def _summary(samples: list[tuple[float, float]]) -> tuple[float, float, float, float]:
@@ -286,11 +264,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1000, help="calls per timed loop")
     parser.add_argument("--repeats", type=int, default=15, help="timed loops per side (median)")
     args = parser.parse_args()
-    native.wait()  # time the reads a warmed-up program makes (C++ once built, dispatch.native)
-    print(f"fast path's tensor reads: {native.status()}")
     if args.quick:
         args.calls, args.repeats = 200, 5
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads or 1)
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():
         devices.append(torch.device("cuda", torch.cuda.current_device()))
@@ -329,27 +305,28 @@ def main() -> None:
                 "ok": None if mode.endswith(CONTROL) else overhead_us <= TARGET_US,
             }
         )
-    common.write("dispatch_overhead", rows, args.out)
+    common.write(args, "dispatch_overhead", {"rows": rows})
     null = [r for r in rows if r["backend"].startswith("null")]
-    worst = max(r["overhead_us"] for r in null)
-    worst_min = max(r["min_overhead_us"] for r in null)
-    print(
-        f"dispatch overhead (null backend, worst case): {worst:.2f} us per call (median), {worst_min:.2f} us "
-        f"(min over repeats); target <= {TARGET_US} us"
-    )
     real = [r for r in rows if r["ok"] is not None and not r["backend"].startswith("null")]
     controls = [r for r in rows if r["ok"] is None]
     worst_real = max(real, key=lambda r: r["overhead_us"])
-    print(
-        f"real backends (worst case): {worst_real['overhead_us']:.2f} us per call ({worst_real['device']} "
-        f"{worst_real['backend']} {worst_real['op']} {worst_real['mode']}); their A/A controls read "
-        f"{min(r['overhead_us'] for r in controls):+.2f} to {max(r['overhead_us'] for r in controls):+.2f} us"
-    )
     worst_paired = max(rows, key=lambda r: r["paired_overhead_us"])
+    null_us, null_min = max(r["overhead_us"] for r in null), max(r["min_overhead_us"] for r in null)
+    aa = [r["overhead_us"] for r in controls]
+
+    def where(r: dict) -> str:
+        return f"{r['device']} {r['backend']} {r['op']} {r['mode']}"
+
     print(
+        f"dispatch overhead (null backend, worst case): {null_us:.2f} us per call (median), "
+        f"{null_min:.2f} us (min over repeats); target <= {TARGET_US} us\n"
+        f"real backends (worst case): {worst_real['overhead_us']:.2f} us per call ({where(worst_real)}); "
+        f"their A/A controls read {min(aa):+.2f} to {max(aa):+.2f} us\n"
         f"paired calls (every backend, worst case): {worst_paired['paired_overhead_us']:.2f} us per call "
-        f"({worst_paired['device']} {worst_paired['backend']} {worst_paired['op']} {worst_paired['mode']})"
+        f"({where(worst_paired)})"
     )
+    heads = list(rows[0])
+    common.print_table([[r[h] for h in heads] for r in rows], heads, title="host us per call (A/A: controls)")
 
 
 if __name__ == "__main__":

@@ -4,16 +4,18 @@ A GPT-2-small-sized model (12 layers, 768 wide, 12 heads, vocab 50257, context 1
 transformers GPT2Config, random init, bf16 autocast, fused AdamW, dropout 0.1 everywhere (embeddings,
 attention, residuals; the MLP's dropout then runs through our kernels once patched). Four configs train
 from the same initial weights on the same batches: eager, patched, torch.compile(model),
-torch.compile(patched). Each reports tokens/s (median step time after warm-up, CUDA events), peak
-memory (torch.cuda.max_memory_allocated, reset between configs) and its loss curve; a config that
-fails is recorded and the others still run.
+torch.compile(patched). Each reports tokens/s (median step time after warm-up, between CUDA events
+on the stream: the GPU's clock, idle gaps included when the GPU waits on the host), the wall time per
+step over the same steps (perf_counter, synchronized at both ends), the speedups vs eager (plain
+PyTorch) and vs torch.compile of the original, peak memory (torch.cuda.max_memory_allocated, reset
+between configs) and its loss curve; a config that fails is recorded and the others still run.
 
 Data: a fixed Markov chain (1024 tokens, each with 8 successors drawn once, Zipf(1) probabilities over
 them, seeded here), so the loss has a known floor, the chain's entropy. Parity: mean loss of the last 20
 steps, patched vs eager, within 1% (masks differ between the two runs, so the curves agree in law, not
 bit for bit).
 
-    python3 benchmarks/bench_e2e.py --out DIR [--steps 300] [--quick] [--tiny] [--backend NAME]
+    python benchmarks/bench_e2e.py [--out DIR] [--steps 300] [--quick] [--tiny] [--backend NAME]
 
 Duels (``--duel``, after the four runs): eager and patched, then compile and compile+patched, built
 side by side and stepped in turn, so that each pair's ratio sees one GPU clock and one host phase.
@@ -28,19 +30,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import json
-import os
-import sys
 import time
 import traceback
 from typing import Optional
 
+import common
 import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import common
+from dispatch import timing
 
 CONFIGS = ("eager", "patched", "compile", "compile+patched")
 CHAIN_VOCAB, CHAIN_FANOUT, SEED = 1024, 8, 20261130
@@ -63,12 +62,12 @@ def arguments():
     p.add_argument(
         "--bias-in-dropout",
         action="store_true",
-        help="patch(bias_in_linear=False): c_proj's bias moves into the dropout's pass (issue 7)",
+        help="patch(bias_in_linear=False): c_proj's bias moves into the dropout's pass",
     )
     p.add_argument(
         "--no-linear-dropout",
         action="store_true",
-        help="patch(linear_dropout=False): c_proj -> dropout stays native (issue 7's experiment)",
+        help="patch(linear_dropout=False): c_proj -> dropout stays native",
     )
     p.add_argument(
         "--duel",
@@ -140,15 +139,6 @@ def build(config, state, device, patched: bool, bias_in_linear: bool = True, lin
     return model, report
 
 
-def _stamp(cuda: bool):
-    """A point in time: a recorded CUDA event (no host sync), or the wall clock on CPU."""
-    if not cuda:
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
 def step(model, opt, x, y, device) -> torch.Tensor:
     """One training step (bf16 autocast, clipping, the optimizer); returns the loss, not synchronized."""
     with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -161,25 +151,29 @@ def step(model, opt, x, y, device) -> torch.Tensor:
     return loss.detach()
 
 
-def train(model, batches, args, device) -> tuple[list[float], list[float]]:
-    """Trains ``args.steps`` steps; returns per-step losses and per-step milliseconds."""
+def train(model, batches, args, device) -> tuple[list[float], list[float], float]:
+    """Trains ``args.steps`` steps; returns per-step losses, per-step milliseconds between stamps on
+    the device's stream (``timing.stamp``: CUDA events, no host synchronization), and the wall
+    milliseconds per step over the steps after the warm-up (perf_counter, synchronized at both ends)."""
     cuda = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
     warm = max(1, args.steps // 15)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     torch.manual_seed(SEED)  # the same dropout stream start for every config
     losses, marks = [], []
-    for x, y in batches[: args.steps]:
-        marks.append(_stamp(cuda))
+    wall_start = time.perf_counter()
+    for i, (x, y) in enumerate(batches[: args.steps]):
+        if i == args.warmup:
+            timing.synchronize(device)
+            wall_start = time.perf_counter()
+        marks.append(timing.stamp(device))
         losses.append(step(model, opt, x, y, device))
         sched.step()
-    marks.append(_stamp(cuda))
-    if cuda:
-        torch.cuda.synchronize()
-        ms = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
-    else:
-        ms = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
-    return torch.stack(losses).float().tolist(), ms
+    marks.append(timing.stamp(device))
+    timing.synchronize(device)
+    wall_ms = (time.perf_counter() - wall_start) * 1e3 / max(1, len(marks) - 1 - args.warmup)
+    ms = [timing.elapsed_ms(a, b) for a, b in itertools.pairwise(marks)]
+    return torch.stack(losses).float().tolist(), ms, wall_ms
 
 
 def run_config(name, config, state, batches, args, device) -> dict:
@@ -199,12 +193,13 @@ def run_config(name, config, state, batches, args, device) -> dict:
         backend = dispatch_backend(args.backend)
         start = time.perf_counter()
         with backend:
-            losses, ms = train(compiled, batches, args, device)
+            losses, ms, wall_ms = train(compiled, batches, args, device)
         timed = sorted(ms[args.warmup :])
         median = timed[len(timed) // 2]
         row.update(
             status="ok",
             step_ms=median,
+            wall_step_ms=wall_ms,
             tokens_per_s=args.batch * args.seq / (median / 1e3),
             first_step_s=ms[0] / 1e3,
             wall_s=time.perf_counter() - start,
@@ -251,13 +246,12 @@ def duel(pair: tuple[str, str], config, state, batches, args, device) -> dict:
         for i, (x, y) in enumerate(itertools.islice(itertools.cycle(batches), warm + args.duel)):
             order = (0, 1) if i % 2 == 0 else (1, 0)  # neither config always goes first
             for k in order:
-                start = _stamp(cuda)
+                start = timing.stamp(device)
                 step(*runs[k], x, y, device)
                 if i >= warm:
-                    marks[k].append((start, _stamp(cuda)))
-    if cuda:
-        torch.cuda.synchronize()
-    ms = [[a.elapsed_time(b) if cuda else (b - a) * 1e3 for a, b in m] for m in marks]
+                    marks[k].append((start, timing.stamp(device)))
+    timing.synchronize(device)
+    ms = [[timing.elapsed_ms(a, b) for a, b in m] for m in marks]
     ratios = sorted(b / a for a, b in zip(*ms))
     n = len(ratios)
     half = 0.98 * n**0.5
@@ -384,8 +378,8 @@ def targets(rows, duels=()) -> list[list[str]]:
 
 def summary(rows, config, args, entropy, duels=()) -> None:
     """The table and the targets, printed last."""
-    cols = ["config", "status", "tokens_per_s", "speedup", "step_ms", "peak_gib", "first_step_s"]
-    cols.append("final_loss")
+    cols = ["config", "status", "tokens_per_s", "x_eager", "x_compile", "step_ms", "wall_step_ms", "peak_gib"]
+    cols += ["first_step_s", "final_loss"]
     print(
         f"\nGPT-2 {config.n_layer}x{config.n_embd}, batch {args.batch} x seq {args.seq}, {args.steps} steps, "
         f"bf16 autocast, dropout {args.dropout}; chain entropy {entropy:.3f} nats"
@@ -428,22 +422,20 @@ def main() -> None:
                 duels.append(duel(pair, config, state, batches, args, device))
             except Exception:  # noqa: BLE001  (the separate runs still stand)
                 traceback.print_exc()
-    eager = next((r for r in rows if r["config"] == "eager" and r["status"] == "ok"), None)
-    for r in rows:
-        if r["status"] == "ok" and eager:
-            r["speedup"] = r["tokens_per_s"] / eager["tokens_per_s"]
+    by = {r["config"]: r for r in rows if r["status"] == "ok"}
+    for r in by.values():  # the baselines: plain PyTorch (eager) and torch.compile of the original model
+        for base in ("eager", "compile"):
+            if base in by:
+                r[f"x_{base}"] = r["tokens_per_s"] / by[base]["tokens_per_s"]
 
-    env = {**common.environment(), "transformers": transformers.__version__}
-    os.makedirs(args.out, exist_ok=True)
-    png = os.path.join(args.out, f"bench_e2e_loss-{env['date']}.png")
+    png = common.path(args, "bench_e2e_loss", "png")
     drawn = plot(rows, entropy, png)
     model = {
         "layers": config.n_layer, "width": config.n_embd, "heads": config.n_head, "vocab": config.vocab_size,
         "attn_implementation": getattr(config, "_attn_implementation", None),
     }  # fmt: skip
     result = {
-        "environment": env,
-        "args": vars(args),
+        "transformers": transformers.__version__,
         "model": model,
         "chain_entropy_nats": entropy,
         "decisions": decisions(config, args, device),
@@ -452,10 +444,8 @@ def main() -> None:
         "rows": rows,
         "plot": png if drawn else None,
     }
-    path = os.path.join(args.out, f"bench_e2e-{env['date']}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}" + (f" and {png}" if drawn else " (no matplotlib: no plot)"))
+    common.write(args, "bench_e2e", result, device)
+    print(f"wrote {png}" if drawn else "no matplotlib: no plot")
     report = next((r["patch"] for r in rows if r.get("patch")), None)
     if report:
         print(report.splitlines()[0])

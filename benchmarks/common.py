@@ -1,95 +1,214 @@
-"""Shared benchmark plumbing: timing, environment stamp, results files, tables and plots.
+"""Benchmark plumbing: the command line, entries' columns, results files, tables and plots.
 
-Every benchmark times with ``triton.testing.do_bench`` (median of many runs; do_bench clears the L2
-between runs so small shapes are not flattered by the cache) and writes its rows with the GPU name,
-versions and date to ``benchmarks/results/`` (or ``--out``).
+Timing lives in ``dispatch.timing`` (shared with the calibrator). Every benchmark writes
+``<out>/<name>[-<tag>].json`` stamped with ``dispatch.timing.environment()``, prints a tabulate table
+last, and draws PNG plots when matplotlib is present.
+
+A row is a dict: the case's keys (M, N, dtype, ...) and ``<metric>:<entry>`` columns, an entry being a
+backend through the public op, ``dispatch`` (the public op choosing for itself), ``pytorch`` (the
+composite a user writes), ``compile`` (torch.compile of that composite) or a ceiling (``copy``,
+``torch.mm``). Speedups ``x_<baseline>_<clock>:<entry>`` = baseline's time / entry's time (> 1: the
+entry is faster), for both clocks.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-from typing import Callable, Optional, Sequence
+import sys
+from typing import Callable, Iterable, Optional, Sequence
 
-import torch
-from tabulate import tabulate
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script from anywhere: dispatch and backends import from the repo
+    sys.path.insert(0, ROOT)
 
-from dispatch import native
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+from dispatch import timing  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+BASELINES = ("pytorch", "compile")
+CLOCKS = ("gpu", "wall")
 
 
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--out", default=RESULTS, help="folder for the results files")
+    p.add_argument("--out", default=RESULTS, help="folder for the results files (default benchmarks/results)")
+    p.add_argument("--tag", default="", help="suffix of the results files' names: <name>-<tag>.json")
     p.add_argument("--quick", action="store_true", help="a few shapes only (smoke run)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (CPU runs; default torch's)")
     return p
 
 
-def time_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
-    """Median milliseconds of ``fn`` on the current device (wall clock on CPU)."""
-    import triton.testing
-
-    if torch.cuda.is_available():
-        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-    import time
-
-    fn()
-    times = []
-    for _ in range(10):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
+def setup(args: argparse.Namespace) -> torch.device:
+    """The device to run on (CUDA when there is one), with ``--threads`` applied."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def environment() -> dict:
-    """GPU, versions and date: stamped on every results file."""
-    info = {
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cuda": torch.version.cuda,
-        "dispatch_reads": native.status(),  # the fast path's tensor reads: C++ or Python (dispatch.native)
-    }
+def path(args: argparse.Namespace, name: str, ext: str) -> str:
+    os.makedirs(args.out, exist_ok=True)
+    return os.path.join(args.out, f"{name}-{args.tag}.{ext}" if args.tag else f"{name}.{ext}")
+
+
+def write(args: argparse.Namespace, name: str, result: dict, device: Optional[torch.device] = None) -> str:
+    """``result`` (rows and whatever else) with the environment stamp and the arguments, as JSON."""
+    out = path(args, name, "json")
+    stamped = {"environment": timing.environment(device), "args": vars(args), **result}
+    with open(out, "w") as f:
+        json.dump(stamped, f, indent=1, default=str)
+    print(f"wrote {out}")
+    return out
+
+
+# ----------------------------------------------------------------------------- entries
+
+
+def available(call: object, names: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+    """The backends among ``names`` that can serve ``call`` (a dispatch.registry.Call), and each other
+    one's reasons, as the registry words them."""
+    from dispatch.registry import backends
+
+    ok, why = [], {}
+    for name in names:
+        reasons = backends()[name].not_supported_reasons(call)
+        if reasons:
+            why[name] = "; ".join(reasons)
+        else:
+            ok.append(name)
+    return ok, why
+
+
+def registered() -> list[str]:
+    """Every registered backend, eager first (it is the reference the others are checked against)."""
+    from dispatch.registry import backends
+
+    return sorted(backends(), key=lambda n: (n != "eager", n))
+
+
+MODES = ("forward", "backward", "forward+backward")
+
+
+def timed(fn: Callable, mode: str, inputs: Sequence[torch.Tensor], grad_y: torch.Tensor) -> timing.Fn:
+    """What a row times: ``fn(*inputs)`` under no_grad (forward), autograd.grad of every input from a
+    graph built on the first (untimed) call and kept (backward), or both (forward+backward)."""
+    if mode == "forward":
+
+        def run():
+            with torch.no_grad():
+                return fn(*inputs)
+
+        return run
+    leaves = tuple(t.detach().requires_grad_() for t in inputs)
+    if mode == "forward+backward":
+        return lambda: torch.autograd.grad(fn(*leaves), leaves, grad_y)
+    kept: list = []
+    config = _functorch_config()
+
+    def run_backward():
+        # AOTAutograd (torch.compile) donates saved buffers to its backward by default, which then
+        # refuses retain_graph=True; its config is read at compile time and at every backward call.
+        # Off for the whole call, every entry alike (a plain attribute swap, well under a us).
+        before = config.donated_buffer if config is not None else None
+        if config is not None:
+            config.donated_buffer = False
+        try:
+            if not kept:
+                kept.append(fn(*leaves))
+            return torch.autograd.grad(kept[0], leaves, grad_y, retain_graph=True)
+        finally:
+            if config is not None:
+                config.donated_buffer = before
+
+    return run_backward
+
+
+def _functorch_config():
     try:
-        import triton
-
-        info["triton"] = triton.__version__
+        import torch._functorch.config as config
     except ImportError:
-        info["triton"] = None
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info.update(
-            gpu=props.name,
-            capability=f"{props.major}.{props.minor}",
-            sm_count=props.multi_processor_count,
-        )
-    else:
-        info["gpu"] = None
-    return info
+        return None
+    return config if hasattr(config, "donated_buffer") else None
 
 
-def copy_ceiling_ms(numel: int, dtype: torch.dtype) -> float:
-    """Time of a device-to-device copy of ``numel`` elements: the bandwidth ceiling, same run."""
-    src = torch.randn(numel, device="cuda").to(dtype)
-    dst = torch.empty_like(src)
-    return time_ms(lambda: dst.copy_(src))
+def record(row: dict, measured: dict[str, timing.Measured], scale: float = 1e3) -> None:
+    """Each entry's clocks (``gpu_us`` / ``wall_us`` with ``scale`` 1e3), their spread over the rounds,
+    first-call seconds, validation and errors, into ``row``."""
+    unit = {1e3: "us", 1.0: "ms"}[scale]
+    for name, m in measured.items():
+        for clock, t in (("gpu", m.gpu), ("wall", m.wall)):
+            if t is not None:
+                row[f"{clock}_{unit}:{name}"] = t.ms * scale
+                row[f"{clock}_spread:{name}"] = t.spread
+        row[f"first_s:{name}"] = m.first_s
+        if m.valid:
+            row[f"valid:{name}"] = m.valid
+        for what, err in m.errors.items():
+            row[f"error:{name}"] = f"{what}: {err}"
 
 
-def write(name: str, rows: Sequence[dict], out: str, headers: Optional[Sequence[str]] = None) -> str:
-    """Writes ``<out>/<name>.json`` with the environment stamp; prints a tabulate table of ``headers``."""
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump({"environment": environment(), "rows": list(rows)}, f, indent=1)
-    cols = list(headers) if headers else (list(rows[0]) if rows else [])
-    print(tabulate([[r.get(c) for c in cols] for r in rows], headers=cols, floatfmt=".3g"))
-    print(f"wrote {path}")
-    return path
+def speedups(row: dict, unit: str = "us") -> None:
+    """``x_<baseline>_<clock>:<entry>`` for every timed entry and both baselines and clocks."""
+    for clock in CLOCKS:
+        prefix = f"{clock}_{unit}:"
+        times = {k[len(prefix) :]: v for k, v in row.items() if k.startswith(prefix) and v}
+        for base in BASELINES:
+            if base in times:
+                for name, t in times.items():
+                    row[f"x_{base}_{clock}:{name}"] = times[base] / t
+
+
+def entry_names(rows: Sequence[dict]) -> list[str]:
+    """Every entry that has a column in ``rows``, in first-seen order."""
+    seen: dict[str, None] = {}
+    for r in rows:
+        for k in r:
+            if ":" in k:
+                seen.setdefault(k.split(":", 1)[1], None)
+    return list(seen)
+
+
+def long_table(
+    rows: Sequence[dict], keys: Sequence[str], metrics: Sequence[tuple[str, str]], unit: str = "us"
+) -> tuple[list[list], list[str]]:
+    """One line per (row, entry): the row's ``keys``, the entry, both clocks, ``metrics`` (header,
+    column prefix), the four speedups, validation; skipped entries and errors with their reasons."""
+    heads = [*keys, "entry", f"gpu {unit}", f"wall {unit}", *(h for h, _ in metrics)]
+    heads += ["x torch gpu", "x torch wall", "x compile gpu", "x compile wall", "valid / why not"]
+    lines = []
+    for r in rows:
+        for name in entry_names([r]):
+            timed = r.get(f"gpu_{unit}:{name}") or r.get(f"wall_{unit}:{name}")
+            note = r.get(f"error:{name}") or r.get(f"skip:{name}") or r.get(f"valid:{name}", "")
+            if not timed and not note:
+                continue
+            line = [r.get(k) for k in keys] + [
+                name,
+                r.get(f"gpu_{unit}:{name}"),
+                r.get(f"wall_{unit}:{name}"),
+            ]
+            line += [r.get(f"{prefix}:{name}") for _, prefix in metrics]
+            line += [r.get(f"x_{b}_{c}:{name}") for b in BASELINES for c in CLOCKS]
+            lines.append(line + [str(note)[:70]])
+    return lines, heads
+
+
+def print_table(lines: list[list], heads: Sequence[str], title: str = "") -> None:
+    if title:
+        print(f"\n{title}")
+    print(tabulate(lines, headers=list(heads), floatfmt=".3g", missingval="-"))
+
+
+def fastest(row: dict, names: Sequence[str], clock: str, unit: str = "us") -> Optional[str]:
+    times = {n: row.get(f"{clock}_{unit}:{n}") for n in names}
+    times = {n: t for n, t in times.items() if t}
+    return min(times, key=times.get) if times else None
+
+
+# ----------------------------------------------------------------------------- plots
 
 
 def have_matplotlib() -> bool:
@@ -100,20 +219,23 @@ def have_matplotlib() -> bool:
     return True
 
 
-def plot_panels(panels: Sequence[tuple[str, list]], metric: str, ceiling: str, ylabel: str, title: str, path: str) -> None:
-    """A 2 x 4 grid of log2(M) plots, one per (panel title, rows), a line per entry whose rows carry a
+def plot_panels(
+    panels: Sequence[tuple[str, list]], metric: str, ceiling: str, ylabel: str, title: str, out: str
+) -> None:
+    """A grid of log2(M) plots, one per (panel title, rows), a line per entry whose rows carry a
     ``<metric>:<entry>`` column; the ``ceiling`` entry is dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 4, figsize=(20, 8), sharex=True)
+    cols = min(4, max(1, len(panels)))
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 4 * nrows), sharex=True, squeeze=False)
     prefix = metric + ":"
     for ax, (name, rows) in zip(axes.flat, panels):
         rows = sorted(rows, key=lambda r: r["M"])
-        entries = sorted({k[len(prefix):] for r in rows for k in r if k.startswith(prefix)})
-        for entry in entries:
+        for entry in entry_names(rows):
             pts = [(r["M"], r[prefix + entry]) for r in rows if r.get(prefix + entry)]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=entry, linestyle="--" if entry == ceiling else "-")
@@ -125,5 +247,17 @@ def plot_panels(panels: Sequence[tuple[str, list]], metric: str, ceiling: str, y
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(out, dpi=80)
     plt.close(fig)
+    print(f"wrote {out}")
+
+
+def plot_or_say(draw, *args) -> None:
+    """Draws when matplotlib is present; a failed plot never loses the results."""
+    if not have_matplotlib():
+        print("no matplotlib: no plots")
+        return
+    try:
+        draw(*args)
+    except Exception as exc:
+        print(f"plot failed: {timing.describe(exc)}")

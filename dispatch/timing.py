@@ -1,0 +1,390 @@
+"""One timing harness, shared by the benchmarks and the calibrator: clocks, interleaved rounds, the stamp.
+
+Clocks (each a median, in milliseconds per op call):
+- ``gpu_ms``: ``triton.testing.do_bench_cudagraph``, the calls unrolled in one CUDA graph and replayed:
+  the kernels' time on the GPU's clock, with the host's launch and Python cost out of it (and no L2
+  flush between calls, so inputs that fit the 50 MB L2 run warm).
+- ``wall_ms``: ``triton.testing.do_bench`` on CUDA, each call between two events after an L2 flush: the
+  flush (a ~0.1 ms memset) gives the host that much slack, so host time shows only past it. On the CPU
+  (no GPU clock) ``cpu_ms``: ``time.perf_counter`` around each call.
+- ``per_call_ms``: the calibrator's clock, the larger of do_bench's and a stream of back-to-back calls
+  (``stream_ms``): what a model sees when the host is the slower side.
+
+Rounds: the entries of a comparison are timed in rounds, their order rotated each round (A B C, B C A,
+C A B), median per entry, spread kept (``Timing``). The H200 boosts with temperature and power, so the
+same kernel timed seconds apart differed by up to 10%, and its host swings by 2x for seconds: within a
+round every entry sees the same clock and host phase.
+
+Nothing happens at import: torch.cuda and triton are touched inside the functions only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+ROUNDS = 3  # interleaved rounds per comparison
+LONG_MS = 0.5  # per_call_ms: calls at least this long are timed back to back only
+# Calls at least this long get one round: noise is small next to them, and eager's dropout (the RNG
+# spec in int64 tensor ops) takes up to 95 ms a call at 65536 x 4096.
+SLOW_MS = 5.0
+
+Fn = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One entry's samples, ms per op call, one a round."""
+
+    samples: tuple[float, ...]
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median over the rounds: how far the clock and the host moved under it."""
+        return (max(self.samples) - min(self.samples)) / self.ms if self.ms else 0.0
+
+
+def describe(exc: BaseException) -> str:
+    """'TypeError: first line of the message', at most 200 characters: for tables and results files."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}"[:200]
+
+
+def synchronize(device: Optional[torch.device] = None) -> None:
+    if (device is None or device.type == "cuda") and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+
+
+def _settle(device: torch.device) -> None:
+    """Synchronize after a failure, swallowing what a failed kernel or capture left behind."""
+    try:
+        synchronize(device)
+    except Exception:
+        pass
+
+
+def _reset(grad_to_none: Sequence[Tensor]) -> None:
+    for t in grad_to_none:
+        t.grad = None
+
+
+# ----------------------------------------------------------------------------- clocks
+
+
+def gpu_ms(fn: Fn, rep_ms: float = 20.0, grad_to_none: Sequence[Tensor] = (), calls: int = 1) -> float:
+    """GPU milliseconds per op call of ``fn`` (which makes ``calls`` of them), by do_bench_cudagraph's
+    median. Raises what the capture raises (a host synchronization inside ``fn``, a backend that
+    allocates with cudaMalloc while capturing). The dispatcher's dropout draws its rng with a randint
+    kernel while capturing (on the host otherwise), so that kernel is in this time."""
+    import triton.testing
+
+    ms = triton.testing.do_bench_cudagraph(
+        fn, rep=max(1.0, rep_ms), grad_to_none=list(grad_to_none) or None, return_mode="median"
+    )
+    return float(ms) / calls
+
+
+def wall_ms(
+    fn: Fn,
+    device: torch.device,
+    rep_ms: float = 100.0,
+    grad_to_none: Sequence[Tensor] = (),
+    calls: int = 1,
+    max_runs: int = 200,
+) -> float:
+    """Milliseconds per op call of ``fn``: do_bench's median on CUDA (warm-up a quarter of ``rep_ms``),
+    ``cpu_ms`` over ``rep_ms`` elsewhere."""
+    if device.type != "cuda":
+        return cpu_ms(fn, rep_ms, grad_to_none, calls, max_runs=max_runs)
+    import triton.testing
+
+    ms = triton.testing.do_bench(
+        fn,
+        warmup=max(1.0, rep_ms / 4),
+        rep=max(1.0, rep_ms),
+        grad_to_none=list(grad_to_none) or None,
+        return_mode="median",
+    )
+    return float(ms) / calls
+
+
+def cpu_ms(
+    fn: Fn,
+    budget_ms: float,
+    grad_to_none: Sequence[Tensor] = (),
+    calls: int = 1,
+    min_runs: int = 3,
+    max_runs: int = 50,
+) -> float:
+    """Median (the upper one of an even count) of ``time.perf_counter`` around single runs of ``fn``,
+    ms per op call: at least ``min_runs``, then more while the calls timed so far take less than
+    ``budget_ms``, at most ``max_runs``."""
+    times: list[float] = []
+    while len(times) < min_runs or (len(times) < max_runs and sum(times) < budget_ms):
+        _reset(grad_to_none)
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def back_to_back_ms(fn: Fn, grad_to_none: Sequence[Tensor], runs: int, device: torch.device) -> float:
+    """Wall milliseconds per run of ``runs`` runs of ``fn`` back to back, one synchronization at the end."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(runs):
+        _reset(grad_to_none)
+        fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3 / runs
+
+
+def stream_ms(
+    fn: Fn, grad_to_none: Sequence[Tensor], budget_ms: float, device: torch.device, calls: int = 1
+) -> float:
+    """Wall milliseconds per op call of ``fn`` (``calls`` op calls per run) run back to back: the larger
+    of the host's time per call and the device's (the latter with a warm L2 for small inputs). About
+    three op calls first (at least one run); a call of ``LONG_MS`` or more returns that (a chained run
+    then costs about what three single calls did), a shorter one is timed again over as many runs as
+    fill ``budget_ms`` by the first estimate (3 to 200), so the launch and synchronization latency fades."""
+    runs = max(1, 3 // calls)
+    first = back_to_back_ms(fn, grad_to_none, runs, device) / calls
+    if first >= LONG_MS:
+        return first
+    runs = min(200, max(3, int(budget_ms / max(first * calls, 1e-3))))
+    return back_to_back_ms(fn, grad_to_none, runs, device) / calls
+
+
+def per_call_ms(
+    fn: Fn,
+    grad_to_none: Sequence[Tensor],
+    device: torch.device,
+    quick: bool,
+    training: bool,
+    share: float = 1.0,
+    warm: bool = True,
+    calls: int = 1,
+) -> float:
+    """The calibrator's clock: milliseconds per op call of ``fn`` (which makes ``calls`` of them) over
+    ``share`` of the usual time, after one untimed run if ``warm`` (on CUDA; a JIT backend's first call
+    at a shape may compile).
+
+    On CUDA: ``stream_ms``, what a model sees whenever the host is the slower side; for calls shorter
+    than ``LONG_MS``, the larger of that and do_bench's median. do_bench alone flattered host-heavy
+    backends: its L2 flush before every call gives the host ~0.1 ms of slack it has nowhere else, and
+    a table timed that way sent GPT-2's c_fc to nvfuser's AOTAutograd wrappers (patched 1.11x eager;
+    every op on triton 1.185x). Longer calls skip do_bench: its five estimate calls plus warm-up and
+    repeats were most of a calibration's time, and an L2's worth of reuse is within noise of them.
+    On CPU: ``cpu_ms`` over 0.1 s (quick) or 0.3 s, times ``share``."""
+    with torch.set_grad_enabled(training):
+        if device.type != "cuda":
+            return cpu_ms(fn, (100.0 if quick else 300.0) * share, grad_to_none, calls)
+        if warm:
+            _reset(grad_to_none)
+            fn()
+        import triton.testing
+
+        warmup, rep, stream = (3, 7, 3) if quick else (5, 10, 5)
+        wall = stream_ms(fn, grad_to_none, stream * share, device, calls)
+        if wall >= LONG_MS:
+            return wall
+        ms = triton.testing.do_bench(
+            fn, warmup=warmup * share, rep=rep * share, grad_to_none=list(grad_to_none), return_mode="median"
+        )
+        return max(float(ms) / calls, wall)
+
+
+def paired_diffs_ms(a: Fn, b: Fn, pairs: int) -> list[float]:
+    """Per-call differences a - b (ms), each pair timed call by call with the two calls adjacent and
+    their order swapped every pair, so both run in the same state of the host (after the same kind of
+    work, in the same phase of its clock). Host time only: nothing is synchronized."""
+    clock = time.perf_counter_ns
+    diffs = []
+    for i in range(pairs):
+        first, second = (a, b) if i % 2 == 0 else (b, a)
+        t0 = clock()
+        first()
+        t1 = clock()
+        second()
+        t2 = clock()
+        a_ns, b_ns = (t1 - t0, t2 - t1) if i % 2 == 0 else (t2 - t1, t1 - t0)
+        diffs.append((a_ns - b_ns) / 1e6)
+    return diffs
+
+
+# ----------------------------------------------------------------------------- rounds
+
+
+def rotations(names: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:
+    """(round, name) in interleaved order: A B C, B C A, C A B, ..."""
+    names = list(names)
+    for r in range(rounds if names else 0):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            yield r, name
+
+
+def interleave(
+    measures: Mapping[str, Callable[[int], float]], rounds: int = ROUNDS, slow_ms: Optional[float] = SLOW_MS
+) -> tuple[dict[str, Union[Timing, Exception]], dict[str, float]]:
+    """Each entry's ``measure(round)`` (ms) over ``rounds`` interleaved rounds. An entry whose first
+    round took ``slow_ms`` or more is not timed again; one whose measure raised gets its exception.
+    Also returns the seconds spent on each. (The calibrator's ``time_all``: measure = per_call_ms
+    with share 1 / ROUNDS and warm on round 0.)"""
+    samples: dict[str, list[float]] = {name: [] for name in measures}
+    failed: dict[str, Exception] = {}
+    spent = dict.fromkeys(measures, 0.0)
+    for r, name in rotations(list(measures), rounds):
+        got = samples[name]
+        if name in failed or (slow_ms is not None and got and got[0] >= slow_ms):
+            continue
+        start = time.monotonic()
+        try:
+            got.append(measures[name](r))
+        except Exception as exc:  # one broken entry must not stop the others
+            failed[name] = exc
+        spent[name] += time.monotonic() - start
+    out: dict[str, Union[Timing, Exception]] = {name: Timing(tuple(s)) for name, s in samples.items() if s}
+    out.update(failed)
+    return out, spent
+
+
+@dataclass
+class Measured:
+    """One entry of a comparison: first-call seconds, validation, and its two clocks."""
+
+    first_s: Optional[float] = None  # the untimed first call (compiles, autotunes, allocates)
+    valid: str = ""  # "ok", what missed, or how the entry was checked ("reference", "baseline")
+    gpu: Optional[Timing] = None  # gpu_ms per round; None on the CPU or where capture failed
+    wall: Optional[Timing] = None  # wall_ms per round
+    errors: dict[str, str] = field(default_factory=dict)  # "first", "check", "gpu", "wall": what raised
+
+
+def first_call(fn: Fn, device: torch.device) -> tuple[Optional[float], str]:
+    """Seconds of one untimed call of ``fn`` (synchronized), or None and the error it raised."""
+    try:
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        return time.perf_counter() - start, ""
+    except Exception as exc:  # one failing entry must not end the run
+        _settle(device)
+        return None, describe(exc)
+
+
+def compare(
+    entries: Mapping[str, Fn],
+    device: torch.device,
+    *,
+    check: Optional[Callable[[str], str]] = None,
+    rounds: int = ROUNDS,
+    rep_ms: float = 60.0,
+    slow_ms: Optional[float] = SLOW_MS,
+    gpu: bool = True,
+) -> dict[str, Measured]:
+    """Times every entry on both clocks in ``rounds`` interleaved rounds (each round ``rep_ms / rounds``
+    per clock), after one untimed first call each and ``check(name)`` (validation before timing: "ok"
+    or what missed; its exception is recorded, and the entry is timed anyway). An entry whose first
+    call raises is not timed. ``gpu``: also time with do_bench_cudagraph (CUDA only); an entry whose
+    capture fails keeps its wall time and the error."""
+    out: dict[str, Measured] = {}
+    for name, fn in entries.items():
+        m = out[name] = Measured()
+        m.first_s, err = first_call(fn, device)
+        if err:
+            m.errors["first"] = err
+            continue
+        if check is not None:
+            try:
+                m.valid = check(name)
+            except Exception as exc:
+                m.valid, m.errors["check"] = "error", describe(exc)
+    alive = [name for name, m in out.items() if "first" not in m.errors]
+    share = rep_ms / max(rounds, 1)
+    clocks: dict[str, dict[str, list[float]]] = {name: {"gpu": [], "wall": []} for name in alive}
+    use_gpu = gpu and device.type == "cuda"
+    for _, name in rotations(alive, rounds):
+        got, errors = clocks[name], out[name].errors
+        if slow_ms is not None and got["wall"] and got["wall"][0] >= slow_ms:
+            continue
+        for clock in ("gpu", "wall") if use_gpu else ("wall",):
+            if clock in errors:
+                continue
+            try:
+                if clock == "gpu":
+                    got[clock].append(gpu_ms(entries[name], share))
+                else:
+                    got[clock].append(wall_ms(entries[name], device, share))
+            except Exception as exc:
+                errors[clock] = describe(exc)
+                _settle(device)
+    for name, got in clocks.items():
+        out[name].gpu = Timing(tuple(got["gpu"])) if got["gpu"] else None
+        out[name].wall = Timing(tuple(got["wall"])) if got["wall"] else None
+    return out
+
+
+# ----------------------------------------------------------------------------- steps and the stamp
+
+
+def stamp(device: torch.device) -> object:
+    """A point in time on ``device``'s stream: a recorded CUDA event (no host synchronization), else
+    the host's perf_counter. ``elapsed_ms`` of two of them, once the stream is synchronized."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def elapsed_ms(start: object, end: object) -> float:
+    if isinstance(start, float):
+        return (end - start) * 1e3  # type: ignore[operator]
+    return start.elapsed_time(end)  # type: ignore[attr-defined]
+
+
+def _version(dist: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: Optional[torch.device] = None) -> dict:
+    """What every results file is stamped with: GPU (or CPU), torch / triton / CUDA versions, date."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    info = {
+        "date": now.date().isoformat(),
+        "time_utc": now.strftime("%H:%M:%S"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "cpu": platform.processor() or platform.machine(),
+        "gpu": None,
+    }
+    cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+    if cuda:
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            sm_count=props.multi_processor_count,
+            memory_gib=round(props.total_memory / 2**30, 1),
+        )
+    return info
