@@ -18,7 +18,7 @@ from dispatch.select import ENV_VAR, Decision, _impls, _requested, decide, env_b
 # The fast path takes x, bias and weight of these exact types only. Any Tensor subclass takes the full
 # path: a user's subclass, and the FakeTensors of torch.export's non-strict tracing, which the full
 # path routes by torch.compiler.is_compiling(). A set lookup of the type: isinstance() of a Parameter
-# goes through its metaclass, 0.11 us against 0.04 on the H200's host (probe_hot_path, session 12).
+# goes through its metaclass, 0.11 us against 0.04 on the H200's host (benchmarks/probes/probe_hot_path.py).
 _FAST_TYPES = frozenset({Tensor, torch.nn.Parameter})
 # ...which leaves dynamo's tracing, where tensors are plain: dynamo folds this to True. One Python frame,
 # 0.05 us, where torch.compiler.is_compiling() runs two (it calls torch.jit.is_scripting()), 0.15 us.
@@ -27,21 +27,24 @@ _is_grad_enabled = torch.is_grad_enabled
 _requested_get = _requested.get
 _draw_cuda = dropout_rng.draw_cuda
 _impls_get = _impls.get  # the decision cache's lookup, bound: a function around it costs a call, ~0.1 us
+_STRIDED = torch.strided  # dense: sparse and nested tensors take the full checks, which refuse them
 
 
 # ----------------------------------------------------------------------------- the fast path's reads
 # The steady-state path reads its tensors through these two functions: the C++ module of
 # dispatch.native once it is loaded (one call, where these make 10-16 attribute reads of ~0.1 us
 # each), these Python twins until then or where it cannot be built. Both return the same tuple for the
-# common valid call (exact types, floating, on x's device, CPU or CUDA, matching shapes) and None for
-# anything else, which then takes the full checks. Devices as ints: -1 for CPU, the CUDA index
-# (x.device builds a torch.device per read).
+# common valid call (exact types, dense, floating, on x's device, CPU or CUDA, matching shapes) and
+# None for anything else, which then takes the full checks. Devices as ints: -1 for CPU, the CUDA
+# index (x.device builds a torch.device per read).
 
 
 def _bias_act_signature_py(x: object, bias: object) -> Optional[tuple]:
     """(device, dtype, M, N, grad, bias_contiguous, x.ndim) or None; see above."""
     if (
         type(x) in _FAST_TYPES
+        and x.layout is _STRIDED  # sparse tensors have shapes and devices too
+        and not x.is_nested  # strided layout, and its .shape raises
         and (dtype := x.dtype) in FLOAT_DTYPES
         and (shape := x.shape)  # a 0-d tensor's shape is empty
         and ((on_cuda := x.is_cuda) or x.is_cpu)
@@ -50,6 +53,8 @@ def _bias_act_signature_py(x: object, bias: object) -> Optional[tuple]:
             bias is None
             or (
                 type(bias) in _FAST_TYPES
+                and bias.layout is _STRIDED
+                and not bias.is_nested
                 and bias.dtype is dtype
                 and bias.shape == (shape[-1],)  # ~0.14 us: bias.size() or ndim and numel cost more
                 and ((bias.is_cuda and bias.get_device() == device) if on_cuda else bias.is_cpu)
@@ -69,11 +74,15 @@ def _linear_signature_py(x: object, weight: object, bias: object) -> Optional[tu
     """(device, dtype, M, N, K, grad, bias_contiguous, x.ndim) or None; see above."""
     if (
         type(x) in _FAST_TYPES
+        and x.layout is _STRIDED
+        and not x.is_nested
         and (dtype := x.dtype) in FLOAT_DTYPES
         and (shape := x.shape)
         and ((on_cuda := x.is_cuda) or x.is_cpu)
         and ((device := x.get_device() if on_cuda else -1) >= -1)  # always true: binds device
         and type(weight) in _FAST_TYPES
+        and weight.layout is _STRIDED
+        and not weight.is_nested
         and weight.dtype is dtype
         and ((weight.is_cuda and weight.get_device() == device) if on_cuda else weight.is_cpu)
         and len(wshape := weight.shape) == 2
@@ -82,6 +91,8 @@ def _linear_signature_py(x: object, weight: object, bias: object) -> Optional[tu
             bias is None
             or (
                 type(bias) in _FAST_TYPES
+                and bias.layout is _STRIDED
+                and not bias.is_nested
                 and bias.dtype is dtype
                 and ((bias.is_cuda and bias.get_device() == device) if on_cuda else bias.is_cpu)
                 and bias.shape == (wshape[0],)
@@ -124,6 +135,26 @@ def _needs_grad(*tensors: Optional[Tensor]) -> bool:
 # ----------------------------------------------------------------------------- autograd glue
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The eager backends' math dtype: float32 for half inputs (PyTorch's opmath), else x's own."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _differentiable_grads(
+    make_y: Callable[[], Tensor], inputs: tuple, needs: tuple, grad_y: Tensor
+) -> tuple[Optional[Tensor], ...]:
+    """A backward with ``create_graph=True``: the gradients of the eager reference ``make_y()`` in
+    ``inputs``, computed by torch's autograd with a graph, so that they are differentiable again in the
+    inputs and in ``grad_y``. ``inputs``: the Function's saved inputs, which unpack to the caller's own
+    tensors, so that graph reaches them; None where an input is None or needs no gradient."""
+    wanted = [t for t, need in zip(inputs, needs) if need and t is not None]
+    if not wanted:
+        return (None,) * len(inputs)
+    y = make_y()
+    found = iter(torch.autograd.grad(y, wanted, grad_y.to(y.dtype), create_graph=True, allow_unused=True))
+    return tuple(next(found) if need and t is not None else None for t, need in zip(inputs, needs))
+
+
 class _BiasActDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, bias, impl, activation, p, rng):  # type: ignore[override]
@@ -141,9 +172,24 @@ class _BiasActDropout(torch.autograd.Function):
         saved = ctx.saved_tensors
         x, bias, rng = saved[0], saved[1], saved[2] if len(saved) == 3 else ctx.rng
         need_x, need_bias = ctx.needs_input_grad[:2]
-        grad_x, grad_bias = ctx.impl.backward(
-            grad_y, x, bias, ctx.activation, ctx.p, rng, need_x, need_bias
-        )
+        if torch.is_grad_enabled():
+            # create_graph=True (backward runs in grad mode exactly then): the backends' kernels give
+            # numbers without a graph, and a gradient penalty would silently lose its second-order
+            # term. Differentiate the eager reference instead (same mask: the forward's rng).
+            from backends.eager.bias_act_dropout import reference
+
+            activation, p = ctx.activation, ctx.p
+            dtype = _compute_dtype(x.dtype)
+
+            def make_y() -> Tensor:
+                b = None if bias is None else bias.to(dtype)
+                return reference(x.to(dtype), b, activation, p, rng)
+
+            grad_x, grad_bias = _differentiable_grads(make_y, (x, bias), (need_x, need_bias), grad_y)
+        else:
+            grad_x, grad_bias = ctx.impl.backward(
+                grad_y, x, bias, ctx.activation, ctx.p, rng, need_x, need_bias
+            )
         return grad_x, grad_bias, None, None, None, None
 
 
@@ -158,9 +204,22 @@ class _FusedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_y):  # type: ignore[override]
         x, weight, bias, saved = ctx.saved_tensors
-        grads = ctx.impl.backward(
-            grad_y, x, weight, bias, saved, ctx.activation, tuple(ctx.needs_input_grad[:3])
-        )
+        needs = tuple(ctx.needs_input_grad[:3])
+        if torch.is_grad_enabled():
+            # create_graph=True: as in _BiasActDropout. ``saved`` (the forward's pre-activation) has
+            # no graph: a backward built on it misses every second-order term through x and weight.
+            from backends.eager.fused_linear import reference
+
+            activation = ctx.activation
+            dtype = _compute_dtype(x.dtype)
+
+            def make_y() -> Tensor:
+                b = None if bias is None else bias.to(dtype)
+                return reference(x.to(dtype), weight.to(dtype), b, activation)
+
+            grads = _differentiable_grads(make_y, (x, weight, bias), needs, grad_y)
+        else:
+            grads = ctx.impl.backward(grad_y, x, weight, bias, saved, ctx.activation, needs)
         return (*grads, None, None)
 
 
@@ -177,8 +236,8 @@ def _bias_act_dropout_impl(key: tuple, x: Tensor) -> object:
     """A cache miss: decide, cache, return the op as the hot path calls it (``registry.trusted``: the
     call is validated here). ``key``: the full call signature (dispatch.select.request_key)."""
     _, _, dtype, m, n, activation, dropout, grad = key[:8]
-    select(key, lambda: Call("bias_act_dropout", x.device, dtype, (m, n), activation, dropout, grad), trusted)
-    return _impls[key]
+    call = lambda: Call("bias_act_dropout", x.device, dtype, (m, n), activation, dropout, grad)  # noqa: E731
+    return select(key, call, trusted)[1]
 
 
 def fused_linear_training(
@@ -204,12 +263,11 @@ def _fused_linear_impl(key: tuple, x: Tensor) -> object:
     ``fused_linear_training`` for calls with autograd, ``registry.fused_linear_inference`` (infer or
     forward's y) for the others. Both take (x, weight, bias, activation)."""
     _, _, dtype, m, n, k, activation, grad = key[:8]
-    select(
+    return select(
         key,
         lambda: Call("fused_linear", x.device, dtype, (m, n, k), activation, False, grad),
         (lambda impl: fused_linear_training(impl, activation)) if grad else fused_linear_inference,
-    )
-    return _impls[key]
+    )[1]
 
 
 # ----------------------------------------------------------------------------- the ops
@@ -227,13 +285,20 @@ def fused_bias_act_dropout(
 ) -> Tensor:
     """Dropout(Activation(x + bias)) in one fused pass, forward and backward.
 
-    x: (..., N) floating tensor; bias: (N,) or None, x's dtype and device. activation: one of
-    ``dispatch.ACTIVATION_NAMES``. Dropout follows ``dispatch.rng``'s spec: a 16-bit threshold, so the
-    realized drop probability is within 1/131072 of p and kept values are scaled to preserve the mean
-    exactly; the mask is regenerated in backward, never stored. ``training=False`` or ``p == 0``
-    draws no random numbers. ``backend`` forces a backend (see ``dispatch.explain``). Under
-    ``torch.compile`` with no backend requested and no ``generator``, the op is traced as plain
-    PyTorch (``torch.nn.functional.dropout`` for the mask) so that inductor fuses it with its neighbours.
+    x: (..., N) dense floating tensor; bias: (N,) or None, x's dtype and device. activation: one of
+    ``dispatch.ACTIVATION_NAMES``. p: a real number in [0, 1]; training: a bool (numpy's too).
+    Dropout follows ``dispatch.rng``'s spec: a 16-bit threshold, so the realized drop probability is
+    within 1/131072 of p and kept values are scaled to preserve the mean exactly; the mask is
+    regenerated in backward, never stored. ``p == 1`` in training drops everything as ``F.dropout``
+    does: the activation times zero (zeros, zero gradients; NaN and inf inputs give NaN).
+    ``training=False``, ``p == 0`` or ``p == 1`` draws no random numbers. ``backend`` forces a
+    backend (see ``dispatch.explain``). Under ``torch.compile`` with no backend requested and no
+    ``generator``, the op is traced as plain PyTorch (``torch.nn.functional.dropout`` for the mask) so
+    that inductor fuses it with its neighbours.
+
+    Differentiable twice: a backward with ``create_graph=True`` (a gradient penalty, say)
+    differentiates the eager reference with the forward's mask, so its gradients are the reference's
+    and carry their own graph, whatever the backend; without a graph, backward runs the backend.
 
     Equivalent PyTorch::
 
@@ -243,16 +308,20 @@ def fused_bias_act_dropout(
     # Python function of ours between here and the backend but that one (a call costs ~0.1 us).
     # Anything else, and torch.compile, takes the full checks below, which raise each error in
     # argument order.
-    if (
-        not _is_dynamo_compiling()
-        and (signature := _bias_act_signature(x, bias)) is not None
-        and activation in ACTIVATIONS
-        and type(p) is float
-        and 0.0 <= p < 1.0
-        and type(training) is bool
-        and generator is None
-        and (backend is None or type(backend) is str)
-    ):
+    try:  # free until it raises (Python 3.11); a type(activation) test first would cost ~0.04 us a call
+        fast = (
+            not _is_dynamo_compiling()
+            and (signature := _bias_act_signature(x, bias)) is not None
+            and activation in ACTIVATIONS
+            and type(p) is float
+            and 0.0 <= p < 1.0  # p == 1 needs no backend: the full path
+            and type(training) is bool
+            and generator is None
+            and (backend is None or type(backend) is str)
+        )
+    except TypeError:  # an unhashable activation (a list, a dict): the full checks name it
+        fast = False
+    if fast:
         device, dtype, m, n, grad, bias_contiguous, ndim = signature
         if not bias_contiguous:
             bias = bias.contiguous()
@@ -268,6 +337,11 @@ def fused_bias_act_dropout(
     else:
         x, bias, activation, p, dropout = bias_act_dropout_args(x, bias, activation, p, training, generator)
         check_backend(backend)
+        if dropout and p == 1.0:
+            # Every element dropped. Not for the backends: the rng spec's 16-bit threshold stops at
+            # 65535/65536 and 1/(1-p) is infinite. As F.dropout does, the activation times zero: zeros
+            # and zero gradients, NaN and inf (0 * inf) giving NaN; no random numbers drawn.
+            return fused_bias_act_dropout(x, bias, activation, 0.0, False, backend=backend).mul(0.0)
         n = x.shape[-1]
         p = p if dropout else 0.0
         x2d = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), n)  # (M, N), a view if strides allow
@@ -276,7 +350,7 @@ def fused_bias_act_dropout(
 
             # no backend requested (and no generator of the caller's): plain math that inductor fuses with
             # its neighbours, dropout included (inductor's mask, as for nn.Dropout; an opaque op here cost
-            # GPT-2 a pass over each MLP output and its host time: compile+patched 0.996x compile, issue 7)
+            # GPT-2 a pass over each MLP output and its host time: compile+patched 0.996x compile)
             if library.inline(backend) and (generator is None or not dropout):
                 from backends.eager.bias_act_dropout import traced
 
@@ -311,20 +385,26 @@ def fused_linear(
 ) -> Tensor:
     """Activation(x @ weight.T + bias) with bias and activation in the matmul's epilogue.
 
-    Shapes as ``torch.nn.functional.linear``: x (..., K), weight (N, K), bias (N,) or None; all of one
-    floating dtype and device. Differentiable in every input that requires grad.
+    Shapes as ``torch.nn.functional.linear``: x (..., K), weight (N, K), bias (N,) or None; all dense,
+    of one floating dtype and device. Differentiable in every input that requires grad, and twice: a
+    backward with ``create_graph=True`` differentiates the eager reference, so its gradients carry
+    their own graph whatever the backend; without a graph, backward runs the backend.
 
     Equivalent PyTorch::
 
         act(F.linear(x, weight, bias))
     """
     # The steady-state path, as in fused_bias_act_dropout.
-    if (
-        not _is_dynamo_compiling()
-        and (signature := _linear_signature(x, weight, bias)) is not None
-        and activation in ACTIVATIONS
-        and (backend is None or type(backend) is str)
-    ):
+    try:
+        fast = (
+            not _is_dynamo_compiling()
+            and (signature := _linear_signature(x, weight, bias)) is not None
+            and activation in ACTIVATIONS
+            and (backend is None or type(backend) is str)
+        )
+    except TypeError:  # an unhashable activation
+        fast = False
+    if fast:
         device, dtype, m, n, k, grad, bias_contiguous, ndim = signature
         if not bias_contiguous:
             bias = bias.contiguous()
@@ -389,6 +469,7 @@ def _bias_act_dropout_call(
     generator: Optional[torch.Generator] = None,
 ) -> Call:
     x, bias, activation, p, dropout = bias_act_dropout_args(x, bias, activation, p, training, generator)
+    dropout = dropout and p < 1.0  # p == 1 runs the op without dropout, times zero
     shape = (math.prod(x.shape[:-1]), x.shape[-1])
     return Call("bias_act_dropout", x.device, x.dtype, shape, activation, dropout, _needs_grad(x, bias))
 

@@ -4,7 +4,9 @@ everything else comes here, so errors are raised in argument order."""
 
 from __future__ import annotations
 
+import math
 import numbers
+import sys
 from typing import Optional
 
 import torch
@@ -15,9 +17,28 @@ from dispatch.activations import ACTIVATIONS, get_activation
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
+def type_name(value: object) -> str:
+    """The type of ``value`` as a reader finds it: builtins bare (``int``), others with their module
+    (``numpy.bool``, ``torch.Tensor``): numpy 2 names its bool scalar type just ``bool``."""
+    cls = type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_numpy_bool(value: object) -> bool:
+    numpy = sys.modules.get("numpy")  # a numpy bool implies numpy is imported: no import here
+    return numpy is not None and isinstance(value, numpy.bool_)
+
+
 def _check_tensor(name: str, t: object) -> Tensor:
     if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type_name(t)}")
+    # every backend indexes dense memory: sparse and nested tensors would fail inside PyTorch or a kernel
+    if t.is_nested:  # a nested tensor's layout may read torch.strided
+        raise TypeError(
+            f"{name} must be a dense (strided) torch.Tensor, got a nested tensor (layout {t.layout})"
+        )
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) torch.Tensor, got layout {t.layout}")
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} must have a floating dtype (float16, bfloat16, float32 or float64), got {t.dtype}"
@@ -50,15 +71,42 @@ def _check_x(x: object) -> Tensor:
 
 
 def _check_activation(activation: object) -> str:
-    if activation not in ACTIVATIONS:
+    # the type first: a list or dict is unhashable, and the membership test would raise a TypeError
+    # that names nothing
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
         get_activation(activation)  # raises with the list of names
     return activation  # type: ignore[return-value]
 
 
 def check_backend(backend: object) -> Optional[str]:
     if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be a backend name (str) or None, got {type(backend).__name__}")
+        raise TypeError(f"backend must be a backend name (str) or None, got {type_name(backend)}")
     return backend
+
+
+def _check_p(p: object) -> float:
+    """p as a float in [0, 1]: any real number (numpy's included) but a bool, which is a number to
+    Python but surely a mistake here. NaN fails the range test (every comparison with NaN is False)."""
+    if type(p) is float and 0.0 <= p <= 1.0:  # the common case skips numbers.Real's ABC check
+        return p
+    if isinstance(p, bool) or _is_numpy_bool(p):
+        raise ValueError(f"p must be a number in [0, 1], got {p!r} (a bool)")
+    if not isinstance(p, numbers.Real):
+        raise ValueError(f"p must be a number in [0, 1], got {p!r} ({type_name(p)})")
+    value = float(p)
+    if math.isnan(value):
+        raise ValueError(f"p must be a number in [0, 1], got {p!r} (not a number)")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"p must be a number in [0, 1], got {p!r}")
+    return value
+
+
+def _check_training(training: object) -> bool:
+    if type(training) is bool:
+        return training
+    if _is_numpy_bool(training):  # e.g. a flag read from an array: the same truth value
+        return bool(training)
+    raise TypeError(f"training must be a bool, got {type_name(training)}")
 
 
 def bias_act_dropout_args(
@@ -67,17 +115,14 @@ def bias_act_dropout_args(
     x = _check_x(x)
     b = _check_bias(bias, x.shape[-1], x)
     act = _check_activation(activation)
-    if type(p) is not float or not 0.0 <= p < 1.0:  # the float fast path skips numbers.Real's ABC check
-        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
-            raise ValueError(f"p must be a number in [0, 1), got {p!r}")
-    if not isinstance(training, bool):
-        raise TypeError(f"training must be a bool, got {type(training).__name__}")
+    p = _check_p(p)
+    training = _check_training(training)
     if generator is not None:
         if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+            raise TypeError(f"generator must be a torch.Generator or None, got {type_name(generator)}")
         if generator.device.type != x.device.type:
             raise ValueError(f"generator must be on x's device type {x.device.type}, got {generator.device}")
-    return x, b, act, float(p), training and p > 0
+    return x, b, act, p, training and p > 0
 
 
 def fused_linear_args(

@@ -144,8 +144,8 @@ class FusedBiasActDropout(nn.Module):
     ) -> None:
         super().__init__()
         get_activation(activation)
-        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
-            raise ValueError(f"p must be a number in [0, 1), got {p!r}")
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"p must be a number in [0, 1], got {p!r}")
         self.features = features
         self.activation = activation
         self.p = float(p)

@@ -131,7 +131,11 @@ def test_extra_repr_and_bad_arguments():
     with pytest.raises(ValueError, match="activation must be one of"):
         FusedLinear(3, 4, activation="tanh")
     with pytest.raises(ValueError, match="p must be a number in"):
-        FusedBiasActDropout(4, p=1.0)
+        FusedBiasActDropout(4, p=1.5)
+    dropped = FusedBiasActDropout(4, "relu", p=1.0)  # as nn.Dropout(1.0): zeros in training, identity in eval
+    x = torch.randn(3, 4)
+    assert torch.equal(dropped(x), torch.zeros(3, 4))
+    torch.testing.assert_close(dropped.eval()(x), torch.relu(x + dropped.bias))
     with pytest.raises(ValueError, match="weight must have shape"):
         FusedLinear(3, 4)(torch.randn(2, 5))
 

@@ -4,9 +4,14 @@
 ``backward`` are what the eager backend runs: cuBLAS/CPU BLAS for the products (the bias in the
 forward product's epilogue), the activation and its gradient from the one table, in float32 for half
 inputs: PyTorch's own activation kernels where it has them (one pass each way, float32 math inside),
-else the table's derivative on float32 copies. (Until session 8 every activation went the second way:
-~12 float32 passes over M x N for gelu_tanh's gradient, 1.07 ms against triton's 0.65 ms at 4096 x
-3072 x 768 in bf16 training on the H200, where PyTorch's own linear + gelu takes ~0.2 ms.)
+else the table's derivative on float32 copies. (The derivative for every activation cost ~12 float32
+passes over M x N for gelu_tanh's gradient, 1.07 ms against triton's 0.65 ms at 4096 x 3072 x 768 in
+bf16 training on the H200, where PyTorch's own linear + gelu takes ~0.2 ms.)
+
+Double backward: ``differentiable``'s path is torch's autograd over PyTorch's kernels, whose backward
+ops have derivatives of their own; the rest (squared_relu) runs ``forward``/``backward`` in the
+dispatcher's autograd.Function, whose backward under ``create_graph=True`` differentiates
+``reference`` instead: ``backward`` here builds on the saved pre-activation, which has no graph.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def differentiable(activation: str) -> Optional[Callable[[Tensor, Tensor, Option
     has PyTorch kernels both ways (the kernels ``forward`` and ``backward`` launch, so the same
     numbers and saved tensors), None otherwise (the dispatcher wraps ``forward``/``backward`` in its
     autograd.Function). That Function's Python cost 100-120 us of host time per GPT-2 MLP block (two
-    calls, forward and backward) on the H200's host (benchmarks/NOTES.md, session 10), where patched
+    calls, forward and backward) on the H200's host (benchmarks/NOTES.md), where patched
     GPT-2 sends every bf16 training fused_linear call."""
     return traced if ACTIVATIONS[activation].native and ACTIVATIONS[activation].backward else None
 
