@@ -1,6 +1,5 @@
 """Argument checks of the public ops: each bad input raises one clear error naming the argument, what
-was expected and what came. The ops' fast path checks the common valid case inline (dispatch/api.py);
-everything else comes here, so errors are raised in argument order."""
+was expected and what came, in argument order. Every call of the public ops passes through here once."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ When no backend is requested (no ``backend=`` argument, ``use_backend`` or ``DIS
 trace time), both ops are traced as plain math instead (``inline``): inductor then fuses bias,
 activation and dropout with their neighbours exactly as it does for ``nn.Linear`` + activation +
 ``nn.Dropout``, where an opaque node would block that fusion (compiled GPT-2 ran at 0.74x of the
-unpatched compiled model with opaque nodes, 0.996x with only dropout opaque; benchmarks/NOTES.md).
+unpatched compiled model with opaque nodes, 0.996x with only dropout opaque; benchmarks/PERF.md).
 Dropout's mask then comes from inductor's RNG, as ``nn.Dropout``'s does under compile. A requested
 backend, or a ``generator`` passed to the op, keeps the custom op and ``dispatch.rng``'s spec.
 
@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from dispatch.registry import Call, fused_linear_inference
-from dispatch.select import request_key, select
+from dispatch import select
+from dispatch.registry import fused_linear_inference
 
 _EMPTY = (0,)
 
@@ -31,8 +31,6 @@ _EMPTY = (0,)
 def _requested_at_trace_time() -> bool:
     """Whether ``use_backend`` or ``DISPATCH_BACKEND`` names a backend: read when a graph is traced
     (a compiled graph keeps the choice it was traced with)."""
-    from dispatch import select
-
     return select._requested.get() is not None or select.env_backend() is not None
 
 
@@ -42,8 +40,8 @@ def inline(backend: Optional[str]) -> bool:
 
 
 def _impl(op: str, x: Tensor, shape: tuple[int, ...], activation: str, dropout: bool, training: bool, backend: str):
-    key = (op, x.device, x.dtype, *shape, activation, dropout, training, *request_key(backend or None))
-    return select(key, lambda: Call(op, x.device, x.dtype, shape, activation, dropout, training))[1]
+    key = select.key(op, x, shape, activation, dropout, training, backend or None)
+    return select.decision(key).backend.ops[op]
 
 
 def _empty_if_none(t: Optional[Tensor], like: Tensor) -> Tensor:

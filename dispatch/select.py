@@ -1,7 +1,7 @@
 """Which backend runs a call: the ``backend=`` argument > ``use_backend()`` > ``DISPATCH_BACKEND`` >
 the heuristic table of this GPU > eager as the default while no table exists > the priority list.
 
-Decisions are cached per call signature, so the steady-state cost is one dictionary lookup.
+Decisions are cached per call signature (``key``), so the steady-state cost is one dictionary lookup.
 ``DISPATCH_BACKEND`` is read at import; after changing it in a running process, call ``clear_cache()``.
 """
 
@@ -14,6 +14,8 @@ import threading
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional
+
+from torch import Tensor
 
 import heuristics
 from dispatch.registry import Backend, Call, backends, get
@@ -30,11 +32,10 @@ _requested: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
     "dispatch_backend", default=None
 )
 _cache: dict[tuple, "Decision"] = {}
-# The same keys -> what the ops' hot path calls (dispatch.api binds _impls.get at import: cleared, never
-# rebound): the chosen backend's op module, or what select()'s ``prepare`` made of it.
+# The same keys -> what runs such calls: the chosen backend's op module, or what ``prepare`` made of it.
 _impls: dict[tuple, object] = {}
 # Read at import and by clear_cache(), not per call: os.environ.get of an unset variable costs ~1 us
-# (a KeyError raised and caught inside os.environ), a third of the whole dispatch budget.
+# (a KeyError raised and caught inside os.environ).
 _env_backend: Optional[str] = os.environ.get(ENV_VAR) or None
 
 
@@ -66,40 +67,58 @@ def use_backend(name: str) -> Iterator[None]:
         _requested.reset(token)
 
 
-def request_key(backend: Optional[str]) -> tuple[Optional[str], Optional[str]]:
-    """The last two items of a full cache key: (the backend= argument, use_backend()'s name). The
-    position tells the two sources apart; DISPATCH_BACKEND needs no place, as ``clear_cache()`` (which
-    re-reads it) empties the cache."""
-    return (backend, None) if backend is not None else (None, _requested.get())
+def key(
+    op: str, x: Tensor, shape: tuple[int, ...], activation: str, dropout: bool, grad: bool, backend: Optional[str]
+) -> tuple:
+    """The cache key of a decision: everything ``decide`` reads of a call, and where a backend was asked
+    for (the position tells the ``backend=`` argument from ``use_backend()``). ``DISPATCH_BACKEND``
+    needs no place: ``clear_cache()``, which re-reads it, empties the cache. The one place keys are made."""
+    requested = (backend, None) if backend is not None else (None, _requested.get())
+    return (op, x.device, x.dtype, shape, activation, dropout, grad, *requested)
 
 
-def select(
-    key: tuple, make_call: Callable[[], Call], prepare: Optional[Callable[[object], object]] = None
-) -> tuple[Decision, object]:
-    """The decision for the full call signature ``key`` (its first item is the op's name, its last two
-    ``request_key``'s) and what the hot path calls for it: the chosen op module, or ``prepare(module)``
-    (e.g. ``registry.fused_linear_inference``). Cached; a miss decides and keeps both, and the caller
-    gets the values decided here, never a re-read of the caches (another thread may clear them)."""
-    found = _cache.get(key)
+def _call(key: tuple) -> Call:
+    op, device, dtype, shape, activation, dropout, grad = key[:7]
+    return Call(op, device, dtype, shape, activation, dropout, grad)
+
+
+def runner(key: tuple, prepare: Optional[Callable[[object], object]] = None) -> object:
+    """What the ops run for calls of ``key``: the chosen backend's op module, or ``prepare(module)``
+    (the same ``prepare`` for every call of one key: it depends only on the op and ``grad``). A
+    dictionary lookup once decided."""
     impl = _impls.get(key)
-    if found is not None and impl is not None:
-        return found, impl
-    backend, context = key[-2:]
-    source = _ARGUMENT
-    if backend is None:
-        backend, source = context, _CONTEXT
-        if backend is None:
-            backend, source = _env_backend, ENV_VAR
-    if len(_cache) >= _CACHE_LIMIT:
-        _cache.clear()
-        _impls.clear()
-    found = decide(make_call(), backend, source)
-    impl = found.backend.ops[key[0]]
-    if prepare is not None:
-        impl = prepare(impl)
-    _impls[key] = impl
-    _cache[key] = found
-    return found, impl
+    if impl is None:
+        impl = decision(key).backend.ops[key[0]]
+        if prepare is not None:
+            impl = prepare(impl)
+        _impls[key] = impl
+    return impl  # the value in hand: another thread may have cleared the caches since
+
+
+def decision(key: tuple) -> Decision:
+    """The cached decision for ``key`` (made by ``key()``); a miss decides."""
+    found = _cache.get(key)
+    if found is None:
+        if len(_cache) >= _CACHE_LIMIT:
+            _cache.clear()
+            _impls.clear()
+        found = decide(_call(key), *_request(*key[-2:]))
+        _cache[key] = found
+    return found
+
+
+def _request(argument: Optional[str], context: Optional[str]) -> tuple[Optional[str], str]:
+    """The backend asked for, and by what: the argument > use_backend() > DISPATCH_BACKEND."""
+    if argument is not None:
+        return argument, _ARGUMENT
+    if context is not None:
+        return context, _CONTEXT
+    return _env_backend, ENV_VAR
+
+
+def explain_call(call: Call, backend: Optional[str]) -> Decision:
+    """The uncached decision for ``call`` with the ``backend=`` argument ``backend``."""
+    return decide(call, *_request(backend, _requested.get()))
 
 
 def clear_cache() -> None:

@@ -1,6 +1,5 @@
 """More bad input, each with an error naming the argument: unhashable activations, sparse and nested
-tensors (through the fast path's C++ reads and their Python twins alike), numpy scalars for p and
-training; and p = 1, which is valid: no dropout in eval mode, everything dropped in training, as
+tensors, numpy scalars for p and training; and p = 1, which is valid: no dropout in eval mode, everything dropped in training, as
 ``F.dropout`` does."""
 
 from __future__ import annotations
@@ -14,21 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from backends.eager import bias_act_dropout as eager_bad
-from dispatch import ACTIVATION_NAMES, api, explain, fused_bias_act_dropout, fused_linear
+from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear
 from dispatch.registry import Call, backends
 
 N, K = 8, 6  # x is (4, N) for bias_act_dropout, (4, K) for fused_linear with weight (N, K)
 ACTIVATION_LIST = re.escape(", ".join(ACTIVATION_NAMES))
-
-
-@pytest.fixture(params=("current", "python"))
-def reads(request, monkeypatch):
-    """The fast path's tensor reads as they are (the C++ module once built) and as their Python twins,
-    which run until it is built or where it cannot be."""
-    if request.param == "python":
-        monkeypatch.setattr(api, "_bias_act_signature", api._bias_act_signature_py)
-        monkeypatch.setattr(api, "_linear_signature", api._linear_signature_py)
-    return request.param
 
 
 def _quiet(make):
@@ -131,7 +120,7 @@ BAD_BIAS_ACT_DROPOUT = {  # name: (builders of kwargs over the call (x, bias, "g
 
 
 @pytest.mark.parametrize("case", BAD_BIAS_ACT_DROPOUT)
-def test_bias_act_dropout_bad_input(case, reads):
+def test_bias_act_dropout_bad_input(case):
     change, error, match = BAD_BIAS_ACT_DROPOUT[case]
     kwargs = dict(x=torch.randn(4, N), bias=torch.randn(N), activation="gelu", p=0.1)
     kwargs |= {name: _quiet(make) for name, make in change.items()}
@@ -201,7 +190,7 @@ BAD_FUSED_LINEAR = {  # name: (builders of kwargs over the call (x, weight, bias
 
 
 @pytest.mark.parametrize("case", BAD_FUSED_LINEAR)
-def test_fused_linear_bad_input(case, reads):
+def test_fused_linear_bad_input(case):
     change, error, match = BAD_FUSED_LINEAR[case]
     kwargs = dict(x=torch.randn(4, K), weight=torch.randn(N, K), bias=torch.randn(N), activation="gelu")
     kwargs |= {name: _quiet(make) for name, make in change.items()}
@@ -212,23 +201,6 @@ def test_fused_linear_bad_input(case, reads):
             explain("fused_linear", **kwargs)
 
 
-def test_python_reads_refuse_sparse_and_nested_tensors():
-    """The Python twins answer None for every non-dense tensor, as the C++ reads do (their attribute
-    reads work on a sparse tensor; a strided nested tensor's shape raises)."""
-    x, w, b = torch.randn(4, K), torch.randn(N, K), torch.randn(N)
-    assert api._linear_signature_py(x, w, b) is not None
-    csr, nested = _quiet(lambda: x.to_sparse_csr()), _quiet(lambda: _nested((2, 3, K)))
-    for bad in (
-        (x.to_sparse(), w, b), (csr, w, b), (nested, w, b),
-        (x, w.to_sparse(), b), (x, _quiet(lambda: w.to_sparse_csr()), b), (x, w, b.to_sparse()),
-    ):  # fmt: skip
-        assert api._linear_signature_py(*bad) is None
-    xb = torch.randn(4, N)
-    assert api._bias_act_signature_py(xb, b) is not None
-    for bad in ((xb.to_sparse(), b), (_quiet(lambda: _nested((2, 3, N))), b), (xb, b.to_sparse())):
-        assert api._bias_act_signature_py(*bad) is None
-
-
 # ----------------------------------------------------------------------------- numpy scalars
 
 
@@ -237,14 +209,14 @@ def _dropout(p, training, x, bias, seed=7):
 
 
 @pytest.mark.parametrize("flag", (True, False))
-def test_training_accepts_numpy_bools(flag, reads):
+def test_training_accepts_numpy_bools(flag):
     x, bias = torch.randn(4, N), torch.randn(N)
     y = _dropout(0.3, np.bool_(flag), x, bias)
     torch.testing.assert_close(y, _dropout(0.3, flag, x, bias), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("make", (np.float64, np.float32, np.float16, float), ids=lambda t: t.__name__)
-def test_p_accepts_numpy_floats(make, reads):
+def test_p_accepts_numpy_floats(make):
     """0.25 is exact in every float format, so each gives the float's mask and scale."""
     x, bias = torch.randn(16, N), torch.randn(N)
     y = _dropout(make(0.25), True, x, bias)
