@@ -33,7 +33,8 @@ class Activation(NamedTuple):
 
 
 def _relu_grad(z: Tensor) -> Tensor:
-    return (z > 0).to(z.dtype)
+    # 1 at NaN: threshold_backward (z <= 0 ? 0 : grad), relu's autograd, passes a NaN z's grad
+    return (z <= 0).logical_not_().to(z.dtype)
 
 
 def _leaky_relu_grad(z: Tensor) -> Tensor:
@@ -100,6 +101,19 @@ ACTIVATIONS: dict[str, Activation] = {
 }
 
 ACTIVATION_NAMES: tuple[str, ...] = tuple(ACTIVATIONS)
+
+
+def composed_backward(act: Activation, grad: Tensor, z: Tensor) -> Tensor:
+    """grad * act'(z) for an activation without a PyTorch backward kernel (``act.backward`` None), on
+    float32 or float64 tensors, with the non-finite values autograd of its composite gives.
+
+    squared_relu: autograd of relu(z) ** 2 ends in relu's threshold_backward, a select: 0 wherever
+    z <= 0 even for a NaN or inf grad, where grad * 2 relu(z) would give NaN * 0 = NaN. z + z equals
+    2 relu(z) wherever the select keeps it, so this stays three passes, as grad * (2 * relu(z)).
+    """
+    if act.name == "squared_relu":
+        return _aten.threshold_backward(grad * (z + z), z, 0)
+    return grad * act.derivative(z)
 
 
 def get_activation(name: object) -> Activation:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from dispatch import rng as dropout_rng
-from dispatch.activations import ACTIVATIONS
+from dispatch.activations import ACTIVATIONS, composed_backward
 from dispatch.rng import Rng
 
 
@@ -29,10 +29,14 @@ def _pre_activation(x: Tensor, bias: Optional[Tensor], dtype: torch.dtype) -> Te
 
 
 def _mask_scale(y: Tensor, p: float, rng: Optional[Rng]) -> Tensor:
+    """y * keep * scale, as F.dropout computes it (input * mask * scale): a dropped NaN or inf gives
+    NaN (NaN * 0, inf * 0), a dropped finite value 0 (-0 if negative); a select would give 0 for all.
+    The mask multiplies first: (y * scale) * 0 would turn a dropped 3e38 into inf * 0 = NaN. Out of
+    place: ``y`` may be the caller's grad_y. Two passes, as the select's y * scale and where."""
     if rng is None:
         return y
     keep = dropout_rng.keep_mask(rng, y.shape[0], y.shape[1], p, y.device)
-    return torch.where(keep, y * dropout_rng.keep_scale(p), 0.0)
+    return y * keep * dropout_rng.keep_scale(p)
 
 
 def reference(
@@ -52,7 +56,7 @@ def reference(
     y = ACTIVATIONS[activation].forward(z)
     if rng is not None:
         keep = dropout_rng.keep_mask(rng, z.shape[0], n, p, z.device)
-        y = torch.where(keep, y * dropout_rng.keep_scale(p), 0.0)
+        y = y * keep * dropout_rng.keep_scale(p)  # F.dropout's product: see _mask_scale
     return y.reshape(x.shape)
 
 
@@ -85,9 +89,10 @@ def backward(
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:
     dtype = _compute_dtype(x.dtype)
     z = _pre_activation(x, bias, dtype)
+    # grad_y * keep * scale: F.dropout's backward (native_dropout_backward: grad * mask * scale)
     act, grad = ACTIVATIONS[activation], _mask_scale(grad_y.to(dtype), p, rng)
     # PyTorch's own backward kernel where it has one: one pass instead of the derivative's ~12
-    grad_z = act.backward(grad, z) if act.backward is not None else grad * act.derivative(z)
+    grad_z = act.backward(grad, z) if act.backward is not None else composed_backward(act, grad, z)
     grad_x = grad_z.to(x.dtype) if need_x else None
     grad_bias = grad_z.sum(0).to(bias.dtype) if need_bias and bias is not None else None
     return grad_x, grad_bias

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dispatch.activations import ACTIVATIONS
+from dispatch.activations import ACTIVATIONS, composed_backward
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -89,7 +89,7 @@ def backward(
             grad_pre = act.backward(grad_y, pre)
         else:
             dtype = _compute_dtype(x.dtype)
-            grad_pre = (grad_y.to(dtype) * act.derivative(pre.to(dtype))).to(x.dtype)
+            grad_pre = composed_backward(act, grad_y.to(dtype), pre.to(dtype)).to(x.dtype)
     grad_x = grad_pre @ weight if needs[0] else None  # (M, K)
     grad_w = grad_pre.t() @ x if needs[1] else None  # (N, K)
     grad_b = None

@@ -2,6 +2,13 @@
 
 Kernels take the activation as a ``tl.constexpr`` string and call :func:`apply` / :func:`derivative`;
 the branches are resolved at compile time, so each activation compiles to straight-line code.
+
+Non-finite inputs give what PyTorch's own kernels give (``tests/test_nonfinite.py``): NaN stays NaN,
++-inf and huge finite values take the same limits, and where PyTorch's formula meets inf * 0 (gelu at
+-inf, silu at -inf, gelu's gradient at +-inf, gelu_tanh's gradient once z * z overflows, |z| > 1.8e19)
+these formulas meet it too and give NaN. ``tl.maximum`` defaults to maxnum, which returns the non-NaN
+operand (relu(NaN) = 0 on the GPU and in the interpreter); relu's uses propagate NaN instead, the
+same single max.NaN.f32 on sm_80+. Comparisons are written so that NaN falls on PyTorch's side.
 """
 
 import triton
@@ -39,8 +46,14 @@ def _recip_ge1(d):
     error ~2**-23) where ``/`` is IEEE division, div.rn.f32, ~10 with a slow-path branch. The
     epilogues of the matmul are issue-bound on this: gelu_tanh's ran at 0.85x torch.mm at llama-2-7b.up,
     M = 8192, against relu's 0.97x (bench_linear, session 10). d * d overflows to inf past ~1.8e19,
-    whose reciprocal 0 is then within 6e-20 of the true one."""
+    whose reciprocal 0 is then within 6e-20 of the true one; d = inf gives 0 = 1 / inf, NaN gives NaN."""
     return tl.math.rsqrt(d * d)
+
+
+@triton.jit
+def _relu(z):
+    """max(z, 0) with relu(NaN) = NaN, as torch.relu."""
+    return tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -56,7 +69,8 @@ def _tanh(u):
 
 @triton.jit
 def _normal_tail(z):
-    """Phi(-|z|) for float32 z, the standard normal's tail: one exp2, no branches."""
+    """Phi(-|z|) for float32 z, the standard normal's tail: one exp2, no branches. NaN: the minimum
+    returns PHI_T_MAX, but z * z carries the NaN into the exponent; +-inf: exp2(-inf) = 0."""
     t = tl.minimum(tl.abs(z), PHI_T_MAX)
     q = ((((((t * Q7 + Q6) * t + Q5) * t + Q4) * t + Q3) * t + Q2) * t + Q1) * t + Q0
     return tl.exp2(q - z * z * HALF_LOG2E)
@@ -68,8 +82,8 @@ def apply(z, ACTIVATION: tl.constexpr):
     if ACTIVATION == "identity":
         y = z
     elif ACTIVATION == "relu":
-        y = tl.maximum(z, 0.0)
-    elif ACTIVATION == "leaky_relu":
+        y = _relu(z)
+    elif ACTIVATION == "leaky_relu":  # NaN > 0 is false: NaN * slope, NaN
         y = tl.where(z > 0.0, z, z * LEAKY_RELU_SLOPE)
     elif ACTIVATION == "gelu":  # z * Phi(z)
         tail = _normal_tail(z)
@@ -77,7 +91,7 @@ def apply(z, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "gelu_tanh":
         y = 0.5 * z * (1.0 + _tanh((z + z * z * z * GELU_TANH_C) * SQRT_2_OVER_PI))
     elif ACTIVATION == "squared_relu":
-        r = tl.maximum(z, 0.0)
+        r = _relu(z)
         y = r * r
     else:
         tl.static_assert(ACTIVATION == "silu", "unknown activation")
@@ -90,9 +104,9 @@ def derivative(z, ACTIVATION: tl.constexpr):
     """d act / dz at float32 z (the same formulas as dispatch.activations)."""
     if ACTIVATION == "identity":
         d = tl.full(z.shape, 1.0, tl.float32)
-    elif ACTIVATION == "relu":
-        d = tl.where(z > 0.0, 1.0, 0.0)
-    elif ACTIVATION == "leaky_relu":
+    elif ACTIVATION == "relu":  # 1 at NaN, as threshold_backward's z <= 0 ? 0 : grad passes NaN's grad
+        d = tl.where(z <= 0.0, 0.0, 1.0)
+    elif ACTIVATION == "leaky_relu":  # slope at NaN, as leaky_relu_backward's z > 0 ? grad : grad * slope
         d = tl.where(z > 0.0, 1.0, LEAKY_RELU_SLOPE)
     elif ACTIVATION == "gelu":  # Phi(z) + z * phi(z)
         tail = _normal_tail(z)
@@ -101,10 +115,25 @@ def derivative(z, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "gelu_tanh":
         t = _tanh((z + z * z * z * GELU_TANH_C) * SQRT_2_OVER_PI)
         d = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * (1.0 + z * z * (3.0 * GELU_TANH_C)) * SQRT_2_OVER_PI
-    elif ACTIVATION == "squared_relu":
-        d = 2.0 * tl.maximum(z, 0.0)
+    elif ACTIVATION == "squared_relu":  # NaN at NaN, as autograd of relu(z) ** 2
+        d = 2.0 * _relu(z)
     else:
         tl.static_assert(ACTIVATION == "silu", "unknown activation")
         s = _sigmoid(z)
         d = s * (1.0 + z * (1.0 - s))
     return d
+
+
+@triton.jit
+def grad(gy, z, ACTIVATION: tl.constexpr):
+    """gy * act'(z) at float32 z, with the non-finite values PyTorch's backward gives: relu's
+    threshold_backward and autograd of relu(z) ** 2 select, 0 wherever z <= 0 even for a NaN or inf
+    gy (gy * 0 would be NaN); the other activations' kernels multiply, as here. relu's select is one
+    instruction fewer than the product with its 0/1 derivative."""
+    if ACTIVATION == "relu":
+        g = tl.where(z <= 0.0, 0.0, gy)
+    elif ACTIVATION == "squared_relu":
+        g = tl.where(z <= 0.0, 0.0, gy * (z + z))  # z + z = 2 relu(z) where kept
+    else:
+        g = gy * derivative(z, ACTIVATION)
+    return g

@@ -20,7 +20,7 @@ the key schedule runs on the uniform datapath (seed and offset are scalars: host
 import triton
 import triton.language as tl
 
-from backends.triton.activations import apply, derivative
+from backends.triton.activations import apply, grad
 from dispatch import rng as spec
 
 N_ROUNDS = tl.constexpr(spec.N_ROUNDS)
@@ -149,7 +149,9 @@ def _forward_kernel(
     if DROPOUT:
         seed, offset = _rng(RNG, seed_lo, seed_hi, offset_lo, offset_hi, RNG_ON_DEVICE)
         keep = _keep(seed, offset, rows, groups, lanes, N, threshold, GROUPED)
-        y = tl.where(keep, y, 0.0) * scale
+        # y * keep * scale as F.dropout: a dropped NaN or inf gives NaN (a select of y would give 0);
+        # the same select + multiply as selecting y, and the mask first, so a dropped 3e38 gives 0
+        y = y * tl.where(keep, scale, 0.0)
     y_ptrs = Y + (rows.to(tl.int64) * N)[:, None, None] + cols[None, :, :]
     tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=mask)
 
@@ -214,8 +216,8 @@ def _backward_kernel(
             z += bias
         if DROPOUT:
             keep = _keep(seed, offset, rows, groups, lanes, N, threshold, GROUPED)
-            gy = tl.where(keep, gy, 0.0) * scale
-        gz = gy * derivative(z, ACTIVATION)  # masked-out rows give 0: gy is 0 there
+            gy = gy * tl.where(keep, scale, 0.0)  # F.dropout's backward: grad * mask * scale
+        gz = grad(gy, z, ACTIVATION)  # masked-out rows give 0: gy and z are 0 there
         if NEED_X:
             tl.store(
                 GX + (rows64 * N)[:, None, None] + cols[None, :, :], gz.to(GX.dtype.element_ty), mask=mask

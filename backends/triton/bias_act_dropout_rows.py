@@ -103,8 +103,9 @@ def _forward_rows_kernel(
             z_even += b_even
             z_odd += b_odd
         keep_even, keep_odd = _row_keep(seed, offset + row.to(tl.int64) * (N // 8) + g0, t, threshold, BLOCK_N // 8)
-        y_even = tl.where(keep_even, apply(z_even, ACTIVATION), 0.0) * scale
-        y_odd = tl.where(keep_odd, apply(z_odd, ACTIVATION), 0.0) * scale
+        # y * keep * scale as F.dropout (a dropped NaN or inf gives NaN), as in _forward_kernel
+        y_even = apply(z_even, ACTIVATION) * tl.where(keep_even, scale, 0.0)
+        y_odd = apply(z_odd, ACTIVATION) * tl.where(keep_odd, scale, 0.0)
         y = tl.reshape(tl.join(y_even, y_odd), (BLOCK_N // 8, 8))
         y_ptrs = Y + row.to(tl.int64) * N + out_cols
         if EVEN:

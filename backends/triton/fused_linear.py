@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.triton import matmul
-from backends.triton.activations import derivative
+from backends.triton.activations import grad as act_grad
 from backends.triton.launch import Launcher
 
 
@@ -68,7 +68,7 @@ def _act_grad_kernel(
             pre = tl.load(
                 PRE + offs_m[:, None] * stride_pm + offs_n[None, :] * stride_pn, mask=mask, other=0.0
             )
-            grad = (grad_y.to(tl.float32) * derivative(pre.to(tl.float32), ACTIVATION)).to(
+            grad = act_grad(grad_y.to(tl.float32), pre.to(tl.float32), ACTIVATION).to(
                 GRAD_PRE.dtype.element_ty
             )
             tl.store(GRAD_PRE + offs_m[:, None] * N + offs_n[None, :], grad, mask=mask)

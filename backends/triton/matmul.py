@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.triton.activations import apply, derivative
+from backends.triton.activations import apply, grad
 from backends.triton.launch import Launcher
 
 try:
@@ -109,7 +109,7 @@ def _epilogue(
     elif EPILOGUE == "grad":
         g_offs = offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn
         grad_y = tl.load(GRAD_Y + g_offs, mask=mask, other=0.0).to(tl.float32)
-        out = grad_y * derivative(acc, ACTIVATION)
+        out = grad(grad_y, acc, ACTIVATION)  # PyTorch's NaN/inf rules: relu's backward selects
     else:
         tl.static_assert(EPILOGUE == "plain", "unknown epilogue")
         out = acc
