@@ -41,7 +41,7 @@ import torch
 
 from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear, timing
 from dispatch import rng as dropout_rng
-from dispatch.api import _BiasActDropout, fused_linear_training
+from dispatch.autograd import BiasActDropout, fused_linear_training
 from dispatch.registry import Backend, backends, fused_linear_inference, register
 from dispatch.select import ENV_VAR, clear_cache
 
@@ -167,7 +167,7 @@ def _null_cases(device: torch.device) -> list[Case]:
             "bias_act_dropout",
             "training, p=0.1",
             lambda: fused_bias_act_dropout(x_grad, bias, "gelu", 0.1),
-            lambda: _BiasActDropout.apply(x_grad, bias, bad, "gelu", 0.1, dropout_rng.draw_for(x_grad)),
+            lambda: BiasActDropout.apply(x_grad, bias, bad, "gelu", 0.1, dropout_rng.draw_for(x_grad)),
         ),
         (
             null_name,
@@ -198,7 +198,7 @@ def _chosen_cases(device: torch.device) -> list[Case]:
     train = fused_linear_training(lin_train, "gelu")
 
     def dropout_direct():
-        return _BiasActDropout.apply(x_grad, bias, bad_train, "gelu", 0.1, dropout_rng.draw_for(x_grad))
+        return BiasActDropout.apply(x_grad, bias, bad_train, "gelu", 0.1, dropout_rng.draw_for(x_grad))
 
     return [
         (

@@ -9,7 +9,6 @@ op, inside the op's autograd Function (``dispatch.autograd``) when a backward wi
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -24,12 +23,8 @@ from dispatch.select import Decision
 
 
 def _needs_grad(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd will want a backward of this call."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _rows(x: Tensor) -> Tensor:
-    """x as the (M, features) matrix the backends take: a view where strides allow."""
-    return x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def fused_bias_act_dropout(
@@ -63,7 +58,7 @@ def fused_bias_act_dropout(
 
         F.dropout(act(x + bias), p, training)   # up to the choice of random bits
     """
-    x, bias, activation, p, dropout = bias_act_dropout_args(x, bias, activation, p, training, generator)
+    x, bias, activation, p, dropout, shape, device, dtype = bias_act_dropout_args(x, bias, activation, p, training, generator)
     check_backend(backend)
     if dropout and p == 1.0:
         # Every element dropped. Not for the backends: the rng spec's 16-bit threshold stops at
@@ -72,18 +67,19 @@ def fused_bias_act_dropout(
         return fused_bias_act_dropout(x, bias, activation, 0.0, False, backend=backend).mul(0.0)
     if not dropout:
         p = 0.0
-    rows = _rows(x)  # (M, N)
-    grad = _needs_grad(x, bias)
+    rows = x if x.dim() == 2 else x.reshape(shape)  # (M, N): a view where strides allow
+    # whether autograd will want a backward (a plain or: this runs on every call)
+    grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     if torch.compiler.is_compiling():
         return _traced_bias_act_dropout(x, rows, bias, activation, p, dropout, generator, backend, grad)
     rng = dropout_rng.draw_for(x, generator) if dropout else None
-    key = select.key("bias_act_dropout", x, tuple(rows.shape), activation, dropout, grad, backend)
+    key = select.key("bias_act_dropout", device, dtype, shape, activation, dropout, grad, backend)
     impl = select.runner(key, trusted)  # validated above: the backend's own checks are skipped
     if grad:
         y = BiasActDropout.apply(rows, bias, impl, activation, p, rng)
     else:
         y = impl.forward(rows, bias, activation, p, rng)
-    return y.view(x.shape)
+    return y if rows is x else y.view_as(x)
 
 
 def _traced_bias_act_dropout(x, rows, bias, activation, p, dropout, generator, backend, grad) -> Tensor:
@@ -120,11 +116,13 @@ def fused_linear(
 
         act(F.linear(x, weight, bias))
     """
-    x, weight, bias, activation = fused_linear_args(x, weight, bias, activation)
+    x, weight, bias, activation, shape, device, dtype = fused_linear_args(x, weight, bias, activation)
     check_backend(backend)
-    rows = _rows(x)  # (M, K)
-    n = weight.shape[0]
-    grad = _needs_grad(x, weight, bias)
+    m, n, k = shape
+    rows = x if x.dim() == 2 else x.reshape(m, k)  # (M, K): a view where strides allow
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
     if torch.compiler.is_compiling():
         from dispatch import library
 
@@ -134,7 +132,7 @@ def fused_linear(
             return traced(x, weight, bias, activation)
         y = library.fused_linear(rows, weight, bias, activation, backend or "", grad)
         return y.view(*x.shape[:-1], n)
-    key = select.key("fused_linear", x, (rows.shape[0], n, rows.shape[1]), activation, False, grad, backend)
+    key = select.key("fused_linear", device, dtype, shape, activation, False, grad, backend)
     # with autograd: the backend's differentiable function or its forward/backward in the Function;
     # without: its inference entry (registry.fused_linear_inference). Both take (x, weight, bias, act).
     run = select.runner(key, (lambda impl: fused_linear_training(impl, activation)) if grad else fused_linear_inference)
@@ -164,15 +162,13 @@ def _bias_act_dropout_call(
     *,
     generator: Optional[torch.Generator] = None,
 ) -> Call:
-    x, bias, activation, p, dropout = bias_act_dropout_args(x, bias, activation, p, training, generator)
+    x, bias, activation, p, dropout, shape, device, dtype = bias_act_dropout_args(x, bias, activation, p, training, generator)
     dropout = dropout and p < 1.0  # p == 1 runs the op without dropout, times zero
-    shape = (math.prod(x.shape[:-1]), x.shape[-1])
-    return Call("bias_act_dropout", x.device, x.dtype, shape, activation, dropout, _needs_grad(x, bias))
+    return Call("bias_act_dropout", device, dtype, shape, activation, dropout, _needs_grad(x, bias))
 
 
 def _fused_linear_call(
     x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "identity"
 ) -> Call:
-    x, weight, bias, activation = fused_linear_args(x, weight, bias, activation)
-    shape = (math.prod(x.shape[:-1]), weight.shape[0], x.shape[-1])
-    return Call("fused_linear", x.device, x.dtype, shape, activation, False, _needs_grad(x, weight, bias))
+    x, weight, bias, activation, shape, device, dtype = fused_linear_args(x, weight, bias, activation)
+    return Call("fused_linear", device, dtype, shape, activation, False, _needs_grad(x, weight, bias))

@@ -32,12 +32,9 @@ def _check_tensor(name: str, t: object) -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type_name(t)}")
     # every backend indexes dense memory: sparse and nested tensors would fail inside PyTorch or a kernel
-    if t.is_nested:  # a nested tensor's layout may read torch.strided
-        raise TypeError(
-            f"{name} must be a dense (strided) torch.Tensor, got a nested tensor (layout {t.layout})"
-        )
-    if t.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) torch.Tensor, got layout {t.layout}")
+    if t.layout is not torch.strided or t.is_nested:  # a nested tensor's layout may read torch.strided
+        what = f"a nested tensor (layout {t.layout})" if t.is_nested else f"layout {t.layout}"
+        raise TypeError(f"{name} must be a dense (strided) torch.Tensor, got {what}")
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} must have a floating dtype (float16, bfloat16, float32 or float64), got {t.dtype}"
@@ -45,28 +42,30 @@ def _check_tensor(name: str, t: object) -> Tensor:
     return t
 
 
-def _check_like(name: str, t: Tensor, x: Tensor) -> None:
-    if t.dtype != x.dtype:
-        raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
-    if t.device != x.device:
-        raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
+def _check_like(name: str, t: Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    if t.dtype is not dtype:
+        raise TypeError(f"{name} must have x's dtype {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on x's device {device}, got {t.device}")
 
 
-def _check_bias(bias: object, n: int, x: Tensor) -> Optional[Tensor]:
+def _check_bias(bias: object, n: int, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
+    """bias as the backends take it: None, or (n,) like x and unit-stride (a copy of n values if not)."""
     if bias is None:
         return None
     b = _check_tensor("bias", bias)
-    _check_like("bias", b, x)
+    _check_like("bias", b, dtype, device)
     if b.shape != (n,):
         raise ValueError(f"bias must have shape ({n},) to match the output's last dimension, got {tuple(b.shape)}")
-    return b if b.is_contiguous() else b.contiguous()  # backends get a unit-stride bias (N values: cheap)
+    return b if b.is_contiguous() else b.contiguous()
 
 
-def _check_x(x: object) -> Tensor:
-    x = _check_tensor("x", x)
-    if x.dim() == 0:
+def _rows_of(x: Tensor) -> tuple[int, int]:
+    """x's shape as the backends see it, (M, features), with M the product of the leading dims."""
+    shape = x.shape
+    if not shape:
         raise ValueError("x must have at least one dimension (..., N), got a 0-d tensor")
-    return x
+    return (shape[0] if len(shape) == 2 else math.prod(shape[:-1])), shape[-1]
 
 
 def _check_activation(activation: object) -> str:
@@ -110,29 +109,42 @@ def _check_training(training: object) -> bool:
 
 def bias_act_dropout_args(
     x: object, bias: object, activation: object, p: object, training: object, generator: object
-) -> tuple[Tensor, Optional[Tensor], str, float, bool]:
-    x = _check_x(x)
-    b = _check_bias(bias, x.shape[-1], x)
-    act = _check_activation(activation)
-    p = _check_p(p)
-    training = _check_training(training)
+) -> tuple[Tensor, Optional[Tensor], str, float, bool, tuple[int, int], torch.device, torch.dtype]:
+    """The checked arguments, whether dropout applies, x's (M, N), device and dtype."""
+    x = _check_tensor("x", x)
+    rows = _rows_of(x)
+    device, dtype = x.device, x.dtype
+    bias = _check_bias(bias, rows[1], dtype, device)
+    # the common values take one test each; the checks that name a bad value run only for the rest
+    if type(activation) is not str or activation not in ACTIVATIONS:
+        activation = _check_activation(activation)
+    if type(p) is not float or not 0.0 <= p <= 1.0:
+        p = _check_p(p)
+    if type(training) is not bool:
+        training = _check_training(training)
     if generator is not None:
         if not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type_name(generator)}")
-        if generator.device.type != x.device.type:
-            raise ValueError(f"generator must be on x's device type {x.device.type}, got {generator.device}")
-    return x, b, act, p, training and p > 0
+        if generator.device.type != device.type:
+            raise ValueError(f"generator must be on x's device type {device.type}, got {generator.device}")
+    return x, bias, activation, p, training and p > 0, rows, device, dtype
 
 
 def fused_linear_args(
     x: object, weight: object, bias: object, activation: object
-) -> tuple[Tensor, Tensor, Optional[Tensor], str]:
-    x = _check_x(x)
+) -> tuple[Tensor, Tensor, Optional[Tensor], str, tuple[int, int, int], torch.device, torch.dtype]:
+    """The checked arguments, the call's (M, N, K), x's device and dtype."""
+    x = _check_tensor("x", x)
+    m, k = _rows_of(x)
+    device, dtype = x.device, x.dtype
     w = _check_tensor("weight", weight)
-    _check_like("weight", w, x)
-    if w.dim() != 2 or w.shape[1] != x.shape[-1]:
+    _check_like("weight", w, dtype, device)
+    wshape = w.shape
+    if len(wshape) != 2 or wshape[1] != k:
         raise ValueError(
-            f"weight must have shape (out_features, {x.shape[-1]}) to match x's last dimension, "
-            f"got {tuple(w.shape)}"
+            f"weight must have shape (out_features, {k}) to match x's last dimension, got {tuple(wshape)}"
         )
-    return x, w, _check_bias(bias, w.shape[0], x), _check_activation(activation)
+    n = wshape[0]
+    if type(activation) is not str or activation not in ACTIVATIONS:
+        activation = _check_activation(activation)
+    return x, w, _check_bias(bias, n, dtype, device), activation, (m, n, k), device, dtype

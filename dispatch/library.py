@@ -40,7 +40,7 @@ def inline(backend: Optional[str]) -> bool:
 
 
 def _impl(op: str, x: Tensor, shape: tuple[int, ...], activation: str, dropout: bool, training: bool, backend: str):
-    key = select.key(op, x, shape, activation, dropout, training, backend or None)
+    key = select.key(op, x.device, x.dtype, shape, activation, dropout, training, backend or None)
     return select.decision(key).backend.ops[op]
 
 

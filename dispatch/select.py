@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional
 
-from torch import Tensor
+import torch
 
 import heuristics
 from dispatch.registry import Backend, Call, backends, get
@@ -68,13 +68,20 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def key(
-    op: str, x: Tensor, shape: tuple[int, ...], activation: str, dropout: bool, grad: bool, backend: Optional[str]
+    op: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    activation: str,
+    dropout: bool,
+    grad: bool,
+    backend: Optional[str],
 ) -> tuple:
     """The cache key of a decision: everything ``decide`` reads of a call, and where a backend was asked
     for (the position tells the ``backend=`` argument from ``use_backend()``). ``DISPATCH_BACKEND``
     needs no place: ``clear_cache()``, which re-reads it, empties the cache. The one place keys are made."""
     requested = (backend, None) if backend is not None else (None, _requested.get())
-    return (op, x.device, x.dtype, shape, activation, dropout, grad, *requested)
+    return (op, device, dtype, shape, activation, dropout, grad, *requested)
 
 
 def _call(key: tuple) -> Call:
