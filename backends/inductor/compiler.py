@@ -11,21 +11,47 @@ Recompile limits for these functions only: dynamo counts graphs per code object 
 object) and holds one graph, whatever mix of activations and dtypes a model uses; no global setting
 changes. The first call of a kind also runs with ``suppress_errors=False`` and
 ``fail_on_recompile_limit_hit=True``, so a failed compile raises instead of quietly running eager code.
+
+Everything but M is static, p above all. Dynamo's automatic dynamic shapes remember each frame input
+per ``CodeId`` (file, first line, *name* of the code), not per code object, so copies of one function
+shared that memory: the second kind's compile saw p differ from the first kind's and traced p as a
+symbol. Inductor (torch 2.13) then baked the threshold T(p) into the kernel from the symbol's example
+value (32768 for p = 0.5) while computing the scale from p at run time, and its FX graph cache gave
+that kernel to every later kind whose graph differed only in p: p = 0.9 dropped half the elements,
+scaled by 1 / (1 - 0.9). So each copy gets its own code name, hence its own automatic-dynamic memory,
+and the first call compiles with automatic dynamic off and floats specialized: p, the activation and
+the flags are constants of the graph, guarded by value, as the kind says.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
+import torch._dynamo.convert_frame
 from torch import Tensor
 
 CACHE_LIMIT = 256  # kinds of call kept compiled
-_FIRST_CALL_SETTINGS = {"suppress_errors": False, "fail_on_recompile_limit_hit": True}
+_FIRST_CALL_SETTINGS = {
+    "suppress_errors": False,
+    "fail_on_recompile_limit_hit": True,
+    # every frame input static unless marked dynamic (M): a kind is one value of each of them
+    "automatic_dynamic_shapes": False,
+    "assume_static_by_default": True,
+    "specialize_float": True,
+}
+
+# Compiling (a kind's first call) runs under dynamo's own compile lock: FX tracing, AOTAutograd and
+# TorchScript keep global state (fx's CURRENT_PATCHER, CPython's ast recursion counter), and the first
+# call patches dynamo's config and the warnings filters, process-wide, for its duration. The nvfuser
+# backend takes the same lock, so neither backend traces while the other, or the user's own
+# torch.compile, does. A kind already compiled runs without it.
+COMPILE_LOCK = getattr(torch._dynamo.convert_frame, "compile_lock", None) or threading.RLock()
 
 _compiled: OrderedDict[tuple, Callable[..., Any]] = OrderedDict()
 _compiles = 0
@@ -37,11 +63,11 @@ class CacheInfo(NamedTuple):
     compiles: int
 
 
-def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A copy of ``fn`` with its own code object, hence its own dynamo cache and recompile count."""
-    return types.FunctionType(
-        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
+def _own_code(fn: Callable[..., Any], serial: int) -> Callable[..., Any]:
+    """A copy of ``fn`` with its own code object, hence its own dynamo cache and recompile count, and
+    its own code name (``forward_kind3``), hence its own automatic-dynamic memory (keyed by name)."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_kind{serial}")
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 @contextlib.contextmanager
@@ -78,17 +104,30 @@ def run(fn: Callable[..., Any], args: tuple, rows: tuple[int, ...]) -> Any:
 
     Runs without autograd: forward and backward are compiled as separate functions.
     """
-    global _compiles
     kind = (fn, *(_kind(a, i in rows) for i, a in enumerate(args)))
     compiled = _compiled.get(kind)
-    if compiled is not None:
+    if compiled is None:
+        with COMPILE_LOCK:
+            compiled = _compiled.get(kind)  # another thread may have compiled it meanwhile
+            if compiled is None:
+                return _compile_and_run(kind, fn, args, rows)
+    try:
         _compiled.move_to_end(kind)
-        with torch.no_grad():
-            return compiled(*args)
+    except KeyError:  # just evicted by a thread compiling another kind
+        pass
+    with torch.no_grad():
+        return compiled(*args)
+
+
+def _compile_and_run(kind: tuple, fn: Callable[..., Any], args: tuple, rows: tuple[int, ...]) -> Any:
+    """A kind's first call, under ``COMPILE_LOCK``: compiles it, runs it, caches it."""
+    global _compiles
     args = tuple(  # mark_dynamic costs ~14 us: only when compiling
         _marked(a) if i in rows and a is not None and a.shape[0] >= 2 else a for i, a in enumerate(args)
     )
-    compiled = torch.compile(_own_code(fn), fullgraph=True, dynamic=None)
+    # dynamic=None, not False: False would patch dynamo's config around every call, not just this
+    # one; _first_call's settings make the compile as static as False would, M aside
+    compiled = torch.compile(_own_code(fn, _compiles), fullgraph=True, dynamic=None)
     with torch.no_grad(), _first_call():
         out = compiled(*args)
     _compiles += 1

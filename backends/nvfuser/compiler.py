@@ -9,15 +9,23 @@ The TorchScript step is functorch's ``ts_compile`` minus freezing. Freezing fold
 into the graph: the Philox counters' ``arange(M * N / 8)`` would become an int64 constant of M * N
 bytes per cached shape, and since AOTAutograd runs compilers under its fake-tensor mode, the folded
 constant is a fake tensor that fails at run time with an empty RuntimeError (torch 2.13).
+
+Compiling runs under dynamo's compile lock, the one the inductor backend and every ``torch.compile``
+take: FX tracing keeps its patcher in a global (``torch.fx._symbolic_trace.CURRENT_PATCHER``) and
+TorchScript parses source with CPython's ``ast``, whose recursion counter is process-wide, so two
+threads compiling at once failed with ``CURRENT_PATCHER is None in finally block`` or ``AST
+constructor recursion depth mismatch``. A signature already compiled runs without the lock.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import Counter, OrderedDict
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
+import torch._dynamo.convert_frame
 from torch import Tensor
 
 CACHE_LIMIT = 64  # compiled functions kept; each one is a small TorchScript module
@@ -29,6 +37,9 @@ FUSION_GROUPS = {
     "prim::FusionGroup": "legacy fuser",
     "prim::oneDNNFusionGroup": "oneDNN Graph",
 }
+
+# dynamo's own lock (an RLock), shared with backends/inductor/compiler.py, which reads it the same way
+COMPILE_LOCK = getattr(torch._dynamo.convert_frame, "compile_lock", None) or threading.RLock()
 
 _cache: OrderedDict[tuple, Callable[..., Any]] = OrderedDict()
 _compiles = 0
@@ -72,10 +83,21 @@ def run(key: tuple, fn: Callable[..., Any], *args: Optional[Tensor]) -> Any:
     compiled as separate functions.
     """
     compiled = _cache.get(key)
-    if compiled is not None:
+    if compiled is None:
+        with COMPILE_LOCK:
+            compiled = _cache.get(key)  # another thread may have compiled it meanwhile
+            if compiled is None:
+                return _compile_and_run(key, fn, args)
+    try:
         _cache.move_to_end(key)
-        with torch.no_grad():
-            return compiled(*args)
+    except KeyError:  # just evicted by a thread compiling another signature
+        pass
+    with torch.no_grad():
+        return compiled(*args)
+
+
+def _compile_and_run(key: tuple, fn: Callable[..., Any], args: tuple) -> Any:
+    """A signature's first call, under ``COMPILE_LOCK``: compiles it, warms it up, caches it."""
     global _compiles
     compiled = _compile(fn)
     # TorchScript warns that it is deprecated at every script call; those warnings concern this

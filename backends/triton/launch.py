@@ -11,10 +11,18 @@ assumptions the new arguments break.
 
 Under Triton's interpreter (CPU tensors) and for argument types this key does not model, the call
 goes through ``kernel[grid](...)`` unchanged.
+
+First calls take ``_FIRST_CALL_LOCK``, one for every launcher: Triton's own first launch of a
+specialization is not safe against a second thread's (``CompiledKernel._init_handles`` sets the
+launcher before it loads the module, so the other thread can launch ``function`` None), and the
+interpreter patches ``triton.language``'s globals for the length of each launch, restoring them at
+the end, so every interpreted launch takes it. Cached kernels launch without it (past ``max_entries``
+keys, a new key's launches all take it).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Optional
 
 import torch
@@ -25,6 +33,7 @@ except ImportError:  # pragma: no cover - older triton: no hooks to honour
     _knobs = None
 
 _I32 = 2**31
+_FIRST_CALL_LOCK = threading.RLock()
 
 
 class Launcher:
@@ -66,19 +75,21 @@ class Launcher:
     ) -> None:
         first = args[self.descriptors]  # the first tensor
         if not first.is_cuda:
-            self._direct(grid, args, constexprs, num_warps, num_stages)
-            return
-        device = first.get_device()
-        if device != torch.cuda.current_device():  # the compiled module belongs to one device's context
-            with torch.cuda.device(device):
+            with _FIRST_CALL_LOCK:
                 self._direct(grid, args, constexprs, num_warps, num_stages)
             return
+        device = first.get_device()
         key = self._key(device, num_warps, constexprs, args, num_stages)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._direct(grid, args, constexprs, num_warps, num_stages)
-            if len(self._compiled) < self.max_entries and compiled is not None:
-                self._compiled[key] = compiled
+            with _FIRST_CALL_LOCK:
+                if self._compiled.get(key) is None:  # else another thread launched it first meanwhile
+                    self._first_call(key, device, grid, args, constexprs, num_warps, num_stages)
+                    return
+            compiled = self._compiled[key]
+        if device != torch.cuda.current_device():  # the compiled module belongs to one device's context
+            with torch.cuda.device(device):
+                self._direct(grid, args, constexprs, num_warps, num_stages)
             return
         stream = torch._C._cuda_getCurrentRawStream(device)
         full = args + constexprs
@@ -91,6 +102,20 @@ class Launcher:
         g = tuple(grid) + (1, 1)
         run, fn, packed = compiled.run, compiled.function, compiled.packed_metadata
         run(g[0], g[1], g[2], stream, fn, packed, metadata, enter, exit_, *full)
+
+    def _first_call(
+        self, key: tuple, device: int, grid: tuple, args: tuple, constexprs: tuple, num_warps: int,
+        num_stages: Optional[int],
+    ) -> None:
+        """A key's first launch, under ``_FIRST_CALL_LOCK``: Triton compiles (or loads) the kernel and
+        its module, and the kernel it returns is kept for the key's later launches."""
+        if device != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                compiled = self._direct(grid, args, constexprs, num_warps, num_stages)
+        else:
+            compiled = self._direct(grid, args, constexprs, num_warps, num_stages)
+        if len(self._compiled) < self.max_entries and compiled is not None:
+            self._compiled[key] = compiled
 
     def _direct(self, grid: tuple, args: tuple, constexprs: tuple, num_warps: int, num_stages: Optional[int]):
         """``kernel[grid](...)``: Triton's own path (first calls, the interpreter, other devices)."""
