@@ -1,9 +1,5 @@
-"""The backend folders. Adding a backend: one folder that calls ``dispatch.registry.register`` in its
-``__init__``, plus its name here."""
-
-import importlib
+"""The backend folders, in the order ``python -m dispatch.info`` lists them. Adding a backend: one
+folder whose ``__init__`` declares ``BACKEND`` (``dispatch.contracts.backend.Backend``), plus its name
+here; ``dispatch.registry`` imports and registers it on first use."""
 
 NAMES = ("eager", "triton", "nvfuser", "inductor", "cublaslt")
-
-for _name in NAMES:
-    importlib.import_module(f"backends.{_name}")

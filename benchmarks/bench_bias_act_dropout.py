@@ -2,7 +2,7 @@
 
     python benchmarks/bench_bias_act_dropout.py [--out DIR] [--quick] [--modes forward,backward]
 
-Inputs: real-model feature sizes N (dispatch.shapes) at token counts M from decode (1) to 65536,
+Inputs: real-model feature sizes N (dispatch.contracts.shapes) at token counts M from decode (1) to 65536,
 bf16 / fp16 / fp32, gelu and relu, p = 0.1 and 0, the large and decode rows first; on a machine
 without CUDA a few small float32 shapes (a smoke run of the script and the CPU backends).
 Modes: forward (under no_grad), backward (autograd.grad of x and bias from a kept graph),
@@ -17,7 +17,7 @@ Minimum bytes (s = itemsize): forward 2MNs (read x, write y), backward 3MNs (rea
 write grad_x; the mask is regenerated), forward+backward 5MNs. Per entry: GPU time (CUDA graph) and
 wall time (do_bench; perf_counter on the CPU), GB/s and % of the copy's (GPU time), speedups vs
 pytorch and compile on both clocks. Outputs and gradients are checked against the eager backend's
-before timing (same mask: every backend follows dispatch.rng's spec; pytorch and compile draw their
+before timing (same mask: every backend follows dispatch.contracts.rng's spec; pytorch and compile draw their
 own, so they are checked at p = 0 only). nvfuser compiles per shape:
 it runs on the FOCUS rows only unless --all-backends. A time budget stops new rows once spent.
 """
@@ -94,7 +94,7 @@ def _op(backend: Optional[str], activation: str, p: float) -> Callable:
 
 
 def _pytorch(activation: str, p: float) -> Callable:
-    from dispatch.activations import ACTIVATIONS
+    from dispatch.contracts.activations import ACTIVATIONS
 
     act = ACTIVATIONS[activation].forward
     return lambda x, b, gen=None: F.dropout(act(x + b), p, training=True)
@@ -125,7 +125,7 @@ def results(fn: Callable, mode: str, x, b, gy) -> list[torch.Tensor]:
 
 
 def compare_results(got: list[torch.Tensor], ref: list[torch.Tensor]) -> str:
-    from dispatch.tolerances import allowed_error, max_error
+    from dispatch.contracts.tolerances import allowed_error, max_error
 
     bad = []
     for name, g, r in zip(("y", "grad_x", "grad_bias"), got, ref):

@@ -40,7 +40,7 @@ import common
 import torch
 
 from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear, timing
-from dispatch import rng as dropout_rng
+from dispatch.contracts import rng as dropout_rng
 from dispatch.autograd import BiasActDropout, fused_linear_training
 from dispatch.registry import Backend, backends, fused_linear_inference, register
 from dispatch.select import ENV_VAR, clear_cache

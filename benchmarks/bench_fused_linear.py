@@ -2,7 +2,7 @@
 
     python benchmarks/bench_fused_linear.py [--out DIR] [--quick] [--modes forward,backward]
 
-Inputs: the MLP projections of GPT-2, LLaMA-2-7B, Mistral-7B and LLaMA-2-70B (dispatch.shapes; "up"
+Inputs: the MLP projections of GPT-2, LLaMA-2-7B, Mistral-7B and LLaMA-2-70B (dispatch.contracts.shapes; "up"
 is hidden -> intermediate, "down" the reverse) at 2048, 8192 and 16384 tokens, bf16 gelu_tanh first,
 then gelu / relu and fp16 on a few, then 128 and 512 tokens; on a machine without CUDA a few small
 float32 shapes (a smoke run). Modes: forward (no grad), backward (autograd.grad of x, W and b from a
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from dispatch import timing
-from dispatch.activations import ACTIVATIONS
-from dispatch.shapes import MODELS
+from dispatch.contracts.activations import ACTIVATIONS
+from dispatch.contracts.shapes import MODELS
 
 # projection name -> (K = in_features, N = out_features)
 PAIRS = {
@@ -126,7 +126,7 @@ def validate(fn: Callable, mode: str, x, w, b, gy, activation: str) -> str:
     """'ok', or what missed: against a float32 reference, allowed twice the pytorch entry's error plus
     the dtype's tolerance. Large shapes check the first 256 rows' output only (the float32 reference
     of a 2**36-MNK training call costs more than the benchmark's row)."""
-    from dispatch.tolerances import allowed_error, max_error
+    from dispatch.contracts.tolerances import allowed_error, max_error
 
     M, K = x.shape
     N = w.shape[0]

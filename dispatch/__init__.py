@@ -4,7 +4,7 @@
 """
 
 from dispatch import nn  # FusedLinear, FusedBiasActDropout
-from dispatch.activations import ACTIVATION_NAMES
+from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.api import explain, fused_bias_act_dropout, fused_linear
 from dispatch.patch import patch
 from dispatch.select import use_backend

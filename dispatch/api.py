@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from dispatch import rng as dropout_rng
+from dispatch.contracts import rng as dropout_rng
 from dispatch import select
 from dispatch.autograd import BiasActDropout, fused_linear_training
 from dispatch.checks import bias_act_dropout_args, check_backend, fused_linear_args
@@ -41,7 +41,7 @@ def fused_bias_act_dropout(
 
     x: (..., N) dense floating tensor; bias: (N,) or None, x's dtype and device. activation: one of
     ``dispatch.ACTIVATION_NAMES``. p: a real number in [0, 1]; training: a bool (numpy's too).
-    Dropout follows ``dispatch.rng``'s spec: a 16-bit threshold, so the realized drop probability is
+    Dropout follows ``dispatch.contracts.rng``'s spec: a 16-bit threshold, so the realized drop probability is
     within 1/131072 of p and kept values are scaled to preserve the mean exactly; the mask is
     regenerated in backward, never stored. ``p == 1`` in training drops everything as ``F.dropout``
     does: the activation times zero (zeros, zero gradients; NaN and inf inputs give NaN).
@@ -90,7 +90,7 @@ def _traced_bias_act_dropout(x, rows, bias, activation, p, dropout, generator, b
     from dispatch import library
 
     if library.inline(backend) and (generator is None or not dropout):
-        from backends.eager.bias_act_dropout import traced
+        from dispatch.backends.eager.bias_act_dropout import traced
 
         return traced(x, bias, activation, p)
     rng = dropout_rng.draw(x.device, generator) if dropout else None
@@ -127,7 +127,7 @@ def fused_linear(
         from dispatch import library
 
         if library.inline(backend):  # inductor fuses bias and activation as for nn.Linear
-            from backends.eager.fused_linear import traced
+            from dispatch.backends.eager.fused_linear import traced
 
             return traced(x, weight, bias, activation)
         y = library.fused_linear(rows, weight, bias, activation, backend or "", grad)

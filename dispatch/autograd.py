@@ -54,7 +54,7 @@ class BiasActDropout(torch.autograd.Function):
             # create_graph=True (backward runs in grad mode exactly then): the backends' kernels give
             # numbers without a graph, and a gradient penalty would silently lose its second-order
             # term. Differentiate the eager reference instead (same mask: the forward's rng).
-            from backends.eager.bias_act_dropout import reference
+            from dispatch.backends.eager.bias_act_dropout import reference
 
             activation, p = ctx.activation, ctx.p
             dtype = _compute_dtype(x.dtype)
@@ -86,7 +86,7 @@ class FusedLinear(torch.autograd.Function):
         if torch.is_grad_enabled():
             # create_graph=True: as in BiasActDropout. ``saved`` (the forward's pre-activation) has
             # no graph: a backward built on it misses every second-order term through x and weight.
-            from backends.eager.fused_linear import reference
+            from dispatch.backends.eager.fused_linear import reference
 
             activation = ctx.activation
             dtype = _compute_dtype(x.dtype)

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from dispatch.activations import ACTIVATIONS, get_activation
+from dispatch.contracts.activations import ACTIVATIONS, get_activation
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 

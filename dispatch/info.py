@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 from tabulate import tabulate
 
-import heuristics
+from dispatch import heuristics
 from dispatch.registry import Backend, Call, backends
 from dispatch.select import ENV_VAR
 

@@ -6,7 +6,7 @@ activation and dropout with their neighbours exactly as it does for ``nn.Linear`
 ``nn.Dropout``, where an opaque node would block that fusion (compiled GPT-2 ran at 0.74x of the
 unpatched compiled model with opaque nodes, 0.996x with only dropout opaque; benchmarks/PERF.md).
 Dropout's mask then comes from inductor's RNG, as ``nn.Dropout``'s does under compile. A requested
-backend, or a ``generator`` passed to the op, keeps the custom op and ``dispatch.rng``'s spec.
+backend, or a ``generator`` passed to the op, keeps the custom op and ``dispatch.contracts.rng``'s spec.
 
 Inside a compiled graph each custom op is one opaque node with a fake (shape-only) implementation
 and a registered autograd formula; the backend is chosen when the node runs, by the same rules as in

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from dispatch.activations import get_activation
+from dispatch.contracts.activations import get_activation
 from dispatch.api import fused_bias_act_dropout, fused_linear
 
 _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
@@ -125,7 +125,7 @@ class FusedLinear(nn.Module):
 class FusedBiasActDropout(nn.Module):
     """Dropout(Activation(x + bias)) in one pass; the module owns the bias (N,), initialized to zero.
 
-    Dropout runs in training mode only (``module.training``) and follows ``dispatch.rng``'s spec: the
+    Dropout runs in training mode only (``module.training``) and follows ``dispatch.contracts.rng``'s spec: the
     mask is regenerated in backward, never stored.
 
     Equivalent PyTorch::

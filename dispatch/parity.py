@@ -2,7 +2,7 @@
 
 Both ops, every activation and dtype, forward and backward, dropout off (p = 0) and on (p > 0), on a
 grid of odd shapes; prints the max relative error (max|out - ref| / max|ref|) per backend, op and
-dtype with PASS/FAIL against ``dispatch.tolerances`` and exits 1 on any failure.
+dtype with PASS/FAIL against ``dispatch.contracts.tolerances`` and exits 1 on any failure.
 
 ``--quick`` covers every activation in float32 (with dropout), p = 0 once and every dtype with gelu:
 each factor's every value, not their product. On CPU it keeps to a 45 s ``--budget``, shared by the
@@ -24,7 +24,7 @@ import torch
 from tabulate import tabulate
 
 from dispatch import calibrate_bench as bench
-from dispatch.activations import ACTIVATION_NAMES
+from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.registry import OPS, backends
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

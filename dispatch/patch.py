@@ -39,7 +39,7 @@ from typing import NamedTuple, Optional
 
 from torch import nn
 
-from dispatch.activations import LEAKY_RELU_SLOPE
+from dispatch.contracts.activations import LEAKY_RELU_SLOPE
 from dispatch.nn import FusedBiasActDropout, FusedLinear
 
 # Hugging Face activation classes (transformers.activations) -> our activation names.

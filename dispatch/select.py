@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 
-import heuristics
+from dispatch import heuristics
 from dispatch.registry import Backend, Call, backends, get
 
 # Tried in this order when the table's pick (or the default) cannot serve a call: fused kernels

@@ -17,10 +17,10 @@ from typing import Optional, Sequence
 import torch
 from tabulate import tabulate
 
-import heuristics
+from dispatch import heuristics
 from dispatch.calibrate_plan import rank
 from dispatch.registry import Call
-from dispatch.shapes import TOKENS
+from dispatch.contracts.shapes import TOKENS
 
 LEGEND = (
     "cell: backend and its speedup over eager measured at that M (~: at the nearest measured M where "

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from dispatch.registry import Call
+from dispatch.contracts.backend import Call
 
 SCHEMA_VERSION = 1
 ENV_DIR = "DISPATCH_HEURISTICS_DIR"

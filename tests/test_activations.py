@@ -4,7 +4,7 @@ float32 for half inputs and round once, like the table's float32 formulas they r
 import pytest
 import torch
 
-from dispatch.activations import ACTIVATIONS
+from dispatch.contracts.activations import ACTIVATIONS
 
 NATIVE = [name for name, act in ACTIVATIONS.items() if act.backward is not None]
 

@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-from backends.eager import fused_linear as eager_linear
+from dispatch.backends.eager import fused_linear as eager_linear
 from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear
 from dispatch.registry import Call, backends
-from dispatch.tolerances import check
+from dispatch.contracts.tolerances import check
 
 N, K = 8, 6  # x is (4, N) for bias_act_dropout, (4, K) for fused_linear with weight (N, K)
 

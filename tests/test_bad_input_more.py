@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backends.eager import bias_act_dropout as eager_bad
+from dispatch.backends.eager import bias_act_dropout as eager_bad
 from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear
 from dispatch.registry import Call, backends
 

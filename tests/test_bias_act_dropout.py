@@ -12,11 +12,11 @@ from typing import Optional
 import pytest
 import torch
 
-from backends.eager import bias_act_dropout as eager_op
+from dispatch.backends.eager import bias_act_dropout as eager_op
 from dispatch import ACTIVATION_NAMES, fused_bias_act_dropout
-from dispatch import rng as dropout_rng
+from dispatch.contracts import rng as dropout_rng
 from dispatch.registry import Call, backends
-from dispatch.tolerances import check
+from dispatch.contracts.tolerances import check
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SMALL_SHAPES = ((7,), (1, 1), (3, 5, 24))

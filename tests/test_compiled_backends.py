@@ -1,6 +1,6 @@
 """The compiled backends: nvfuser (functorch + TorchScript), inductor (torch.compile) and cublaslt.
 
-Outputs and every gradient against the float64 reference (``dispatch.tolerances``), dropout masks
+Outputs and every gradient against the float64 reference (``dispatch.contracts.tolerances``), dropout masks
 bit-identical to eager's and regenerated identically in backward, compile caches keyed by shape,
 inductor's dynamic token dimension, honest declarations. Compiling is slow on a small CPU (inductor:
 ~5 s per graph, ~30 s for a dropout graph), so the CPU grid is small; the GPU tests cover more.
@@ -13,15 +13,15 @@ import warnings
 import pytest
 import torch
 
-from backends.eager import bias_act_dropout as eager_bad
-from backends.eager import fused_linear as eager_fl
-from backends.inductor import compiler as inductor_compiler
-from backends.nvfuser import compiler as nvfuser_compiler
+from dispatch.backends.eager import bias_act_dropout as eager_bad
+from dispatch.backends.eager import fused_linear as eager_fl
+from dispatch.backends.inductor import compiler as inductor_compiler
+from dispatch.backends.nvfuser import compiler as nvfuser_compiler
 from dispatch import explain, fused_bias_act_dropout, fused_linear
-from dispatch import rng as dropout_rng
-from dispatch.activations import ACTIVATION_NAMES
+from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.registry import Call, backends
-from dispatch.tolerances import check
+from dispatch.contracts.tolerances import check
 
 COMPILED = ("nvfuser", "inductor")
 GEN_SEED = 20261130
@@ -172,7 +172,7 @@ def test_dropout_bit_identical_to_eager_and_backward_mask_is_forward_mask(backen
         graphs = counters["stats"]["unique_graphs"]
         compiles = inductor_compiler.cache_info().compiles
         fwd_mask, bwd_mask, keep, y, ey, gx, egx = _dropout_masks(backend, shape, torch.float32, 0.25, "cpu")
-        assert torch.equal(fwd_mask, keep), f"{backend}: forward mask differs from dispatch.rng's"
+        assert torch.equal(fwd_mask, keep), f"{backend}: forward mask differs from dispatch.contracts.rng's"
         assert torch.equal(bwd_mask, fwd_mask), f"{backend}: backward regenerated a different mask"
         assert torch.equal(y, ey) and torch.equal(gx, egx), f"{backend}: not bit-identical to eager"
         assert 0.15 < 1 - keep.float().mean().item() < 0.35
@@ -269,7 +269,7 @@ def test_cublaslt_declarations():
 def test_cublaslt_relu_math_on_cpu():
     """CPU's _addmm_activation runs relu like CUDA's unfused fallback: checks our forward/backward glue
     (zero bias, recomputed pre-activation) without a GPU. Its gelu is erf GELU on CPU, not tested."""
-    from backends.cublaslt import fused_linear as cublaslt_fl
+    from dispatch.backends.cublaslt import fused_linear as cublaslt_fl
 
     for bias in (True, False):
         x = torch.randn(33, 40, dtype=torch.float64)
@@ -348,12 +348,12 @@ def test_compiled_half_dtypes_gpu(backend, dtype):
 @pytest.mark.parametrize("backend", COMPILED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_dropout_masks_gpu(backend, dtype):
-    """On CUDA too: the forward's mask is dispatch.rng's, the backward regenerates the same one, and
+    """On CUDA too: the forward's mask is dispatch.contracts.rng's, the backward regenerates the same one, and
     y and grad_x equal eager's bit for bit; inductor reuses one graph across token counts."""
     compiles = inductor_compiler.cache_info().compiles
     for i, shape in enumerate([(257, 1000), (1023, 1000), (8, 3, 1000)]):
         fwd_mask, bwd_mask, keep, y, ey, gx, egx = _dropout_masks(backend, shape, dtype, 0.1, "cuda")
-        assert torch.equal(fwd_mask, keep), f"{backend}: forward mask differs from dispatch.rng's"
+        assert torch.equal(fwd_mask, keep), f"{backend}: forward mask differs from dispatch.contracts.rng's"
         assert torch.equal(bwd_mask, fwd_mask), f"{backend}: backward regenerated a different mask"
         assert torch.equal(y, ey) and torch.equal(gx, egx), f"{backend}: not bit-identical to eager"
         if backend == "inductor" and i == 0:
@@ -375,7 +375,7 @@ def test_nvfuser_fused_linear_rounds_the_pre_activation_once(activation):
     """nvfuser's half-precision pre-activation (saved for backward) equals eager's bit for bit: the
     bias is added in the GEMM's epilogue, not by a traced mm + add that rounds twice (which flipped
     relu's derivative near 0 and failed the H200 calibration's parity gate)."""
-    from backends.nvfuser import fused_linear as nvfuser_fl
+    from dispatch.backends.nvfuser import fused_linear as nvfuser_fl
 
     x = torch.randn(4, 1024, dtype=torch.bfloat16)
     w = (torch.randn(2048, 1024) / 32).to(torch.bfloat16)

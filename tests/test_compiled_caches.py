@@ -6,7 +6,7 @@ off, which inputs require grad, the layout of x. Every call is compared with eag
 both compiled backends run eager's own functions, so the same ops give the same bits, and
 ``torch.manual_seed`` before each call gives both the same dropout draw. The exceptions are sums over
 the token dimension that inductor orders its own way (grad_bias): those are checked against the
-float64 reference with ``dispatch.tolerances``. A graph served to the wrong kind of call shows up as
+float64 reference with ``dispatch.contracts.tolerances``. A graph served to the wrong kind of call shows up as
 a wrong mask, activation or bias, far outside any tolerance.
 
 Only the p walk has dropout on: a dropout graph (the Philox rounds) takes inductor 10-30 s to compile
@@ -25,12 +25,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.eager import bias_act_dropout as eager_bad
-from backends.eager import fused_linear as eager_fl
-from backends.inductor import compiler as inductor_compiler
+from dispatch.backends.eager import bias_act_dropout as eager_bad
+from dispatch.backends.eager import fused_linear as eager_fl
+from dispatch.backends.inductor import compiler as inductor_compiler
 from dispatch import fused_bias_act_dropout, fused_linear
-from dispatch import rng as dropout_rng
-from dispatch.tolerances import check
+from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.tolerances import check
 
 COMPILED = ("nvfuser", "inductor")
 M, N, K = 64, 48, 32

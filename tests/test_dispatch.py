@@ -13,12 +13,12 @@ import dataclasses
 import pytest
 import torch
 
-import heuristics
-from backends.eager import bias_act_dropout as eager_bad
-from backends.eager import fused_linear as eager_linear
+from dispatch import heuristics
+from dispatch.backends.eager import bias_act_dropout as eager_bad
+from dispatch.backends.eager import fused_linear as eager_linear
 from dispatch import explain, fused_bias_act_dropout, fused_linear, registry, use_backend
 from dispatch import select as select_mod
-from dispatch.activations import ACTIVATION_NAMES
+from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.registry import Backend
 
 ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})

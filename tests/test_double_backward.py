@@ -165,7 +165,7 @@ def test_fused_linear_double_backward_matches_eager(backend, activation, device)
 def test_backward_without_a_graph_still_runs_the_backend(monkeypatch):
     """create_graph=False keeps the backend's own backward (the fast kernels); only a graph being
     built takes the reference."""
-    from backends.eager import bias_act_dropout as eager_bad
+    from dispatch.backends.eager import bias_act_dropout as eager_bad
 
     calls = []
     real = eager_bad.backward

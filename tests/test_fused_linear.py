@@ -11,11 +11,11 @@ from typing import Optional
 import pytest
 import torch
 
-from backends.eager import fused_linear as eager_op
+from dispatch.backends.eager import fused_linear as eager_op
 from dispatch import ACTIVATION_NAMES, fused_linear
 from dispatch.registry import Call, backends
 from dispatch.select import clear_cache
-from dispatch.tolerances import check
+from dispatch.contracts.tolerances import check
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # x's shape (..., K) and out_features N

@@ -11,11 +11,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.eager import bias_act_dropout as eager_bad
-from backends.eager import fused_linear as eager_linear
+from dispatch.backends.eager import bias_act_dropout as eager_bad
+from dispatch.backends.eager import fused_linear as eager_linear
 from dispatch import ACTIVATION_NAMES, fused_bias_act_dropout, fused_linear
-from dispatch import rng as dropout_rng
-from dispatch.tolerances import check
+from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.tolerances import check
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LAYOUTS = ("contiguous", "transposed", "sliced", "expanded")

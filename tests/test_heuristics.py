@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-import heuristics
+from dispatch import heuristics
 from dispatch import explain, registry, select
 from dispatch.registry import Call
 

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dispatch.rng as dropout_rng
-from backends.eager import bias_act_dropout as bad_ref
-from backends.eager import fused_linear as linear_ref
+import dispatch.contracts.rng as dropout_rng
+from dispatch.backends.eager import bias_act_dropout as bad_ref
+from dispatch.backends.eager import fused_linear as linear_ref
 from dispatch import ACTIVATION_NAMES
-from dispatch.activations import ACTIVATIONS
+from dispatch.contracts.activations import ACTIVATIONS
 from dispatch.nn import FusedBiasActDropout, FusedLinear
-from dispatch.tolerances import check
+from dispatch.contracts.tolerances import check
 
 DTYPES = (torch.float32, torch.bfloat16)
 

@@ -4,7 +4,7 @@ The reference is PyTorch in the op's dtype: ``act(x + bias)`` and ``act(F.linear
 ``F.relu``, ``F.leaky_relu(z, 0.01)``, ``F.gelu``, ``F.gelu(approximate="tanh")``, ``relu(z) ** 2``,
 ``F.silu``, and their autograd gradients. A result passes when its NaNs sit where the reference's do,
 its infinities where the reference's are with the same signs, and its finite values are within
-``dispatch.tolerances``' float32 ATOL and RTOL, scaled by the magnitude of what was summed (a product's
+``dispatch.contracts.tolerances``' float32 ATOL and RTOL, scaled by the magnitude of what was summed (a product's
 |A| @ |B|, a column sum's sum of |terms|), so that huge finite values neither hide errors elsewhere nor
 fail on the rounding of their own sums.
 
@@ -33,12 +33,12 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
-from backends.eager import bias_act_dropout as eager_bad
+from dispatch.backends.eager import bias_act_dropout as eager_bad
 from dispatch import fused_bias_act_dropout, fused_linear
-from dispatch import rng as dropout_rng
-from dispatch.activations import ACTIVATION_NAMES, LEAKY_RELU_SLOPE
+from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.activations import ACTIVATION_NAMES, LEAKY_RELU_SLOPE
 from dispatch.registry import Call, backends
-from dispatch.tolerances import ATOL, RTOL
+from dispatch.contracts.tolerances import ATOL, RTOL
 
 # The interpreter evaluates kernels in numpy, which warns on every inf * 0 these inputs are made of.
 pytestmark = [
@@ -303,7 +303,7 @@ _DROPOUT_CASES = [
 def test_dropout_keeps_nan_like_f_dropout(backend, activation, has_bias, p, n):
     """y = act(x + b) * keep * scale: F.dropout's product, so a NaN or inf that is dropped gives NaN
     (NaN * 0, inf * 0), a finite one 0; backward is grad_y * keep * scale * act'(z), autograd's
-    gradient of that product. Eager follows the rule bit for bit (same dispatch.rng mask, drawn after
+    gradient of that product. Eager follows the rule bit for bit (same dispatch.contracts.rng mask, drawn after
     the same manual_seed); the other backends follow eager: bit for bit where the activation is exact
     in float32 (identity, relu), within tolerance with the same NaN/inf pattern otherwise."""
     m, seed = SHAPE[0], 20261130
@@ -314,7 +314,7 @@ def test_dropout_keeps_nan_like_f_dropout(backend, activation, has_bias, p, n):
     b = _randn(gen, n) if has_bias else None
     g = _randn(gen, m, n)
 
-    # the rule, with the mask the op draws: dispatch.rng's draw right after the same manual_seed
+    # the rule, with the mask the op draws: dispatch.contracts.rng's draw right after the same manual_seed
     torch.manual_seed(seed)
     keep = dropout_rng.keep_mask(dropout_rng.draw(torch.device("cpu")), m, n, p)
     scale = dropout_rng.keep_scale(p)
@@ -359,7 +359,7 @@ def test_dropout_rows_kernel_keeps_nan(monkeypatch):
     way, at p = 0 too; the GPU test compares with eager bit for bit.) gelu: NaN from -inf as well."""
     activation = "gelu"
     _skip_unless_supported("triton", "bias_act_dropout", (72, 16), activation, dropout=True)
-    from backends.triton import bias_act_dropout as triton_bad
+    from dispatch.backends.triton import bias_act_dropout as triton_bad
 
     m, n, p = 72, 16, 0.5
     gen = torch.Generator().manual_seed(2)
@@ -462,7 +462,7 @@ def test_gpu_triton_nonfinite(dtype):
     # dropout: triton equals eager for identity (bit for bit) with the same rng, NaN where dropped
     x, b, g = _gpu_bias_act_case("identity", dtype, gen)
     rng = dropout_rng.draw(torch.device("cuda"))
-    from backends.triton import bias_act_dropout as triton_bad
+    from dispatch.backends.triton import bias_act_dropout as triton_bad
 
     got = triton_bad.forward(x, b, "identity", 0.1, rng)
     want = eager_bad.forward(x, b, "identity", 0.1, rng)

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from backends.eager import bias_act_dropout as eager_bad
+from dispatch.backends.eager import bias_act_dropout as eager_bad
 from dispatch import parity, registry, select
 
 

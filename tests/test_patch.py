@@ -15,7 +15,7 @@ from torch import nn
 from dispatch import patch
 from dispatch.nn import FusedBiasActDropout, FusedLinear
 from dispatch.patch import activation_name
-from dispatch.tolerances import ATOL, RTOL
+from dispatch.contracts.tolerances import ATOL, RTOL
 
 NO_TRANSFORMERS = "transformers is not installed (pip install transformers): Hugging Face models not tested"
 
@@ -278,7 +278,7 @@ def test_gpt2_cuda_float32_and_bf16_autocast():
     """On the GPU (where the dispatcher may pick fused kernels): float32 logits as the original's; under
     bf16 autocast, at most twice the original's own bf16 error (against its float32 logits) plus the
     bf16 tolerance; and a training step with dropout runs."""
-    from dispatch.tolerances import check
+    from dispatch.contracts.tolerances import check
 
     original = _gpt2().cuda().eval()
     patched = copy.deepcopy(original)

@@ -22,7 +22,7 @@ from torch import nn
 
 from dispatch import patch
 from dispatch.nn import FusedBiasActDropout, FusedLinear
-from dispatch.tolerances import ATOL, RTOL
+from dispatch.contracts.tolerances import ATOL, RTOL
 
 NO_TRANSFORMERS = "transformers is not installed (pip install transformers): real Hugging Face models skipped"
 

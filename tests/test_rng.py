@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dispatch import fused_bias_act_dropout
-from dispatch import rng as dropout_rng
-from dispatch.activations import ACTIVATIONS
+from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.activations import ACTIVATIONS
 
 MASK32 = 0xFFFFFFFF
 
@@ -23,7 +23,7 @@ MASK32 = 0xFFFFFFFF
 
 def _philox_python(counter: tuple[int, int, int, int], key: tuple[int, int], rounds: int) -> tuple[int, ...]:
     """Philox4x32 in exact Python integers, written from the Random123 paper: an oracle independent of
-    dispatch.rng's 16-bit product splitting."""
+    dispatch.contracts.rng's 16-bit product splitting."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
     for _ in range(rounds):

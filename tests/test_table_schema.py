@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import heuristics
+from dispatch import heuristics
 from dispatch import calibrate, explain, fused_bias_act_dropout, fused_linear, select
 from dispatch import table as table_cli
 from dispatch.registry import Call

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-import heuristics
+from dispatch import heuristics
 from dispatch import explain, fused_bias_act_dropout, fused_linear, select
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

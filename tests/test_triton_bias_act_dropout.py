@@ -14,13 +14,13 @@ from typing import Optional
 import pytest
 import torch
 
-from backends.eager import bias_act_dropout as eager_op
-from backends.triton import bias_act_dropout as triton_op
+from dispatch.backends.eager import bias_act_dropout as eager_op
+from dispatch.backends.triton import bias_act_dropout as triton_op
 from dispatch import ACTIVATION_NAMES, fused_bias_act_dropout
-from dispatch import rng as dropout_rng
-from dispatch.tolerances import check
+from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.tolerances import check
 
-triton_backend = pytest.importorskip("backends.triton").BACKEND
+triton_backend = pytest.importorskip("dispatch.backends.triton").BACKEND
 if triton_backend.unavailable():
     pytest.skip(triton_backend.unavailable(), allow_module_level=True)
 

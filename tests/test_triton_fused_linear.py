@@ -13,13 +13,13 @@ from typing import Optional
 import pytest
 import torch
 
-from backends.eager.fused_linear import reference
-from backends.triton import fused_linear as triton_op
-from backends.triton import matmul
+from dispatch.backends.eager.fused_linear import reference
+from dispatch.backends.triton import fused_linear as triton_op
+from dispatch.backends.triton import matmul
 from dispatch import ACTIVATION_NAMES, fused_linear
-from dispatch.tolerances import check
+from dispatch.contracts.tolerances import check
 
-triton_backend = pytest.importorskip("backends.triton").BACKEND
+triton_backend = pytest.importorskip("dispatch.backends.triton").BACKEND
 if triton_backend.unavailable():
     pytest.skip(triton_backend.unavailable(), allow_module_level=True)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.triton.launch import Launcher
+from dispatch.backends.triton.launch import Launcher
 
 launcher = Launcher(kernel=None, tensors=2)
 

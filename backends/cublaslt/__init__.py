@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from dispatch.registry import Backend, Call, register
+from dispatch.contracts.backend import Backend, Call
 
 
 def _unavailable() -> Optional[str]:
@@ -32,10 +32,10 @@ def _extra_reasons(call: Call, explicit: bool) -> list[str]:
     return []
 
 
-def _register() -> Backend:
-    from backends.cublaslt import fused_linear
+def _declare() -> Backend:
+    from dispatch.backends.cublaslt import fused_linear
 
-    return register(
+    return (
         Backend(
             name="cublaslt",
             ops={"fused_linear": fused_linear},
@@ -51,4 +51,4 @@ def _register() -> Backend:
     )
 
 
-BACKEND = _register()
+BACKEND = _declare()

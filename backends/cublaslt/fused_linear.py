@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from backends.eager import fused_linear as eager
+from dispatch.backends.eager import fused_linear as eager
 
 USE_GELU = {"relu": False, "gelu_tanh": True}
 

@@ -6,11 +6,11 @@ activation; deterministic wherever the underlying torch ops are.
 
 import torch
 
-from backends.eager import bias_act_dropout, fused_linear
-from dispatch.activations import ACTIVATION_NAMES
-from dispatch.registry import Backend, register
+from dispatch.backends.eager import bias_act_dropout, fused_linear
+from dispatch.contracts.activations import ACTIVATION_NAMES
+from dispatch.contracts.backend import Backend
 
-BACKEND = register(
+BACKEND = (
     Backend(
         name="eager",
         ops={"bias_act_dropout": bias_act_dropout, "fused_linear": fused_linear},

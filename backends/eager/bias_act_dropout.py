@@ -12,9 +12,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from dispatch import rng as dropout_rng
-from dispatch.activations import ACTIVATIONS, composed_backward
-from dispatch.rng import Rng
+from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.activations import ACTIVATIONS, composed_backward
+from dispatch.contracts.rng import Rng
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -72,7 +72,7 @@ def traced(x: Tensor, bias: Optional[Tensor], activation: str, p: float) -> Tens
     bias + activation + ``nn.Dropout`` in x's dtype (inductor computes a fused kernel's intermediates
     in float32 and rounds once, so explicit casts would only add graph nodes). Inductor fuses it with
     the neighbouring ops and draws the mask with its own generator, as for ``nn.Dropout``: the mask
-    then follows inductor's RNG, not ``dispatch.rng``'s spec."""
+    then follows inductor's RNG, not ``dispatch.contracts.rng``'s spec."""
     y = ACTIVATIONS[activation].forward(x if bias is None else x + bias)
     return torch.nn.functional.dropout(y, p, training=True) if p > 0.0 else y
 

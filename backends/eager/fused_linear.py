@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dispatch.activations import ACTIVATIONS, composed_backward
+from dispatch.contracts.activations import ACTIVATIONS, composed_backward
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

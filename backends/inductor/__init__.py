@@ -1,7 +1,7 @@
 """inductor: ``torch.compile`` (fullgraph, inductor) of the eager forward and backward functions.
 
 Supports: bias_act_dropout and fused_linear, forward and backward, compiled separately (the dropout
-mask is regenerated in backward from the traced ``dispatch.rng`` int64 ops, identical to eager's);
+mask is regenerated in backward from the traced ``dispatch.contracts.rng`` int64 ops, identical to eager's);
 cpu (C++ kernels, needs a C++ compiler) and cuda (Triton kernels, compute capability >= 7.0);
 float16, bfloat16, float32; every activation. The token dimension is dynamic: one compile per kind of
 call (op, direction, activation, p, dtype, feature sizes, which gradients), not per token count.
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from dispatch.activations import ACTIVATION_NAMES
-from dispatch.registry import Backend, Call, register
+from dispatch.contracts.activations import ACTIVATION_NAMES
+from dispatch.contracts.backend import Backend, Call
 
 
 def _extra_reasons(call: Call, explicit: bool) -> list[str]:
@@ -32,10 +32,10 @@ def _label() -> str:
     return "torch.compile, dynamic tokens"
 
 
-def _register() -> Backend:
-    from backends.inductor import bias_act_dropout, fused_linear
+def _declare() -> Backend:
+    from dispatch.backends.inductor import bias_act_dropout, fused_linear
 
-    return register(
+    return (
         Backend(
             name="inductor",
             ops={"bias_act_dropout": bias_act_dropout, "fused_linear": fused_linear},
@@ -51,4 +51,4 @@ def _register() -> Backend:
     )
 
 
-BACKEND = _register()
+BACKEND = _declare()

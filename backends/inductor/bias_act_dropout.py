@@ -3,7 +3,7 @@ graph with the token dimension dynamic.
 
 Forward and backward are separate compiled functions with nothing saved between them: the backward
 graph regenerates the dropout mask from ``rng`` with the same int64 ops as the forward graph
-(``dispatch.rng``; there is no random op for inductor to replace with its own), so both give eager's
+(``dispatch.contracts.rng``; there is no random op for inductor to replace with its own), so both give eager's
 mask bit for bit.
 """
 
@@ -13,10 +13,10 @@ from typing import Optional
 
 from torch import Tensor
 
-from backends.eager import bias_act_dropout as eager
-from backends.inductor.compiler import run
-from dispatch import rng as dropout_rng
-from dispatch.rng import Rng
+from dispatch.backends.eager import bias_act_dropout as eager
+from dispatch.backends.inductor.compiler import run
+from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.rng import Rng
 
 
 def _traced(rng: Optional[Rng], x: Tensor) -> Optional[Tensor]:

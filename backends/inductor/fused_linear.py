@@ -8,8 +8,8 @@ from typing import Optional
 
 from torch import Tensor
 
-from backends.eager import fused_linear as eager
-from backends.inductor.compiler import run
+from dispatch.backends.eager import fused_linear as eager
+from dispatch.backends.inductor.compiler import run
 
 
 def forward(

@@ -7,7 +7,7 @@ reports the configured fuser, then the fusion groups actually found in the graph
 ``nvfuser (functorch+TorchScript, fuser: NNC (fused 4 of 4 graphs) on cuda, none on cpu)``.
 
 Supports: bias_act_dropout and fused_linear, forward and backward, as the eager functions compiled
-separately (the dropout mask is regenerated in backward from the traced ``dispatch.rng`` int64 ops,
+separately (the dropout mask is regenerated in backward from the traced ``dispatch.contracts.rng`` int64 ops,
 identical to eager's); cpu and cuda; float16, bfloat16, float32; every activation; deterministic.
 Each call signature (shapes, strides, dtypes, activation, p, which gradients) compiles once: about
 0.3 s, 2-3 s with dropout (tracing the Philox rounds), on a 2-core CPU; the last
@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from dispatch.activations import ACTIVATION_NAMES
-from dispatch.registry import Backend, register
+from dispatch.contracts.activations import ACTIVATION_NAMES
+from dispatch.contracts.backend import Backend
 
 
 def _unavailable() -> Optional[str]:
@@ -35,16 +35,16 @@ def _unavailable() -> Optional[str]:
 
 
 def _label() -> str:
-    from backends.nvfuser.compiler import fuser_summary
+    from dispatch.backends.nvfuser.compiler import fuser_summary
 
     devices = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
     return "functorch+TorchScript, fuser: " + ", ".join(f"{fuser_summary(d)} on {d}" for d in devices)
 
 
-def _register() -> Backend:
-    from backends.nvfuser import bias_act_dropout, fused_linear
+def _declare() -> Backend:
+    from dispatch.backends.nvfuser import bias_act_dropout, fused_linear
 
-    return register(
+    return (
         Backend(
             name="nvfuser",
             ops={"bias_act_dropout": bias_act_dropout, "fused_linear": fused_linear},
@@ -59,4 +59,4 @@ def _register() -> Backend:
     )
 
 
-BACKEND = _register()
+BACKEND = _declare()

@@ -3,7 +3,7 @@ traced by AOTAutograd and compiled by TorchScript for its call signature.
 
 Forward and backward are separate gradient-free functions with nothing saved between them: the
 backward graph regenerates the dropout mask from ``rng`` with the same traced int64 ops as the
-forward graph (``dispatch.rng``), so both give eager's mask bit for bit.
+forward graph (``dispatch.contracts.rng``), so both give eager's mask bit for bit.
 
 (Session 2 moved the mask out of the graph after a GPU test saw grad_x's zeros differ from y's; the
 cause was the test's data, not the backend: torch.randn returns an exact 0.0 about once in 5 million
@@ -18,10 +18,10 @@ from typing import Optional
 
 from torch import Tensor
 
-from backends.eager import bias_act_dropout as eager
-from backends.nvfuser.compiler import run, signature
-from dispatch import rng as dropout_rng
-from dispatch.rng import Rng
+from dispatch.backends.eager import bias_act_dropout as eager
+from dispatch.backends.nvfuser.compiler import run, signature
+from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.rng import Rng
 
 
 def _traced(rng: Optional[Rng], x: Tensor) -> Optional[Tensor]:

@@ -17,9 +17,9 @@ from typing import Optional
 import torch.nn.functional as F
 from torch import Tensor
 
-from backends.eager import fused_linear as eager
-from backends.nvfuser.compiler import run, signature
-from dispatch.activations import ACTIVATIONS
+from dispatch.backends.eager import fused_linear as eager
+from dispatch.backends.nvfuser.compiler import run, signature
+from dispatch.contracts.activations import ACTIVATIONS
 
 
 def forward(

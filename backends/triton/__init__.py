@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from dispatch.activations import ACTIVATION_NAMES
-from dispatch.registry import Backend, Call, register
+from dispatch.contracts.activations import ACTIVATION_NAMES
+from dispatch.contracts.backend import Backend, Call
 
 try:
     import triton  # noqa: F401
@@ -46,13 +46,13 @@ def _extra_reasons(call: Call, explicit: bool) -> list[str]:
     return []
 
 
-def _register() -> Backend:
+def _declare() -> Backend:
     ops: dict[str, object] = {}
     if triton is not None:
-        from backends.triton import bias_act_dropout, fused_linear
+        from dispatch.backends.triton import bias_act_dropout, fused_linear
 
         ops = {"bias_act_dropout": bias_act_dropout, "fused_linear": fused_linear}
-    return register(
+    return (
         Backend(
             name="triton",
             ops=ops,
@@ -68,4 +68,4 @@ def _register() -> Backend:
     )
 
 
-BACKEND = _register()
+BACKEND = _declare()

@@ -1,4 +1,4 @@
-"""Jitted twins of ``dispatch.activations``: the same names, forward and derivative, in float32.
+"""Jitted twins of ``dispatch.contracts.activations``: the same names, forward and derivative, in float32.
 
 Kernels take the activation as a ``tl.constexpr`` string and call :func:`apply` / :func:`derivative`;
 the branches are resolved at compile time, so each activation compiles to straight-line code.
@@ -101,7 +101,7 @@ def apply(z, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def derivative(z, ACTIVATION: tl.constexpr):
-    """d act / dz at float32 z (the same formulas as dispatch.activations)."""
+    """d act / dz at float32 z (the same formulas as dispatch.contracts.activations)."""
     if ACTIVATION == "identity":
         d = tl.full(z.shape, 1.0, tl.float32)
     elif ACTIVATION == "relu":  # 1 at NaN, as threshold_backward's z <= 0 ? 0 : grad passes NaN's grad

@@ -16,11 +16,11 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from backends.triton.bias_act_dropout_kernels import _backward_kernel, _bias_grad_kernel, _forward_kernel
-from backends.triton.bias_act_dropout_rows import _forward_rows_kernel
-from backends.triton.launch import Launcher
-from dispatch import rng as dropout_rng
-from dispatch.rng import Rng
+from dispatch.backends.triton.bias_act_dropout_kernels import _backward_kernel, _bias_grad_kernel, _forward_kernel
+from dispatch.backends.triton.bias_act_dropout_rows import _forward_rows_kernel
+from dispatch.backends.triton.launch import Launcher
+from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.rng import Rng
 
 # Forward: 4 x 1024 bf16 tiles (32 elements a thread, 4 warps) ran bias+gelu at 1.03x a copy's time on
 # H200 (issue 3 feasibility kernel). float32 takes 16 a thread, the same 64 bytes: at 32 the dropout

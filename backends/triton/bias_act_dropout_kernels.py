@@ -1,7 +1,7 @@
 """Triton kernels of bias_act_dropout: y = dropout(act(x + bias)), forward and backward.
 
 Tiles are 3-D, (BLOCK_M rows, BLOCK_N // 8 groups, 8 lanes): a group is the eight consecutive
-elements that share one Philox call under ``dispatch.rng``'s spec, so each call's eight 16-bit values
+elements that share one Philox call under ``dispatch.contracts.rng``'s spec, so each call's eight 16-bit values
 meet their elements without any interleaving (for 16-bit dtypes a thread holds whole groups: one
 16-byte vector; for float32 two neighbouring threads share a group and each runs its call).
 
@@ -20,8 +20,8 @@ the key schedule runs on the uniform datapath (seed and offset are scalars: host
 import triton
 import triton.language as tl
 
-from backends.triton.activations import apply, grad
-from dispatch import rng as spec
+from dispatch.backends.triton.activations import apply, grad
+from dispatch.contracts import rng as spec
 
 N_ROUNDS = tl.constexpr(spec.N_ROUNDS)
 ROUND_A = tl.constexpr(spec.ROUND_A)
@@ -83,7 +83,7 @@ def _keep(
     threshold,  # T: drop iff the element's 16-bit value < T
     GROUPED: tl.constexpr,  # N % 8 == 0: each row starts a new group
 ):
-    """(BLOCK_M, BLOCK_N // 8, 8) keep decisions, bit-identical to ``dispatch.rng.keep_mask``."""
+    """(BLOCK_M, BLOCK_N // 8, 8) keep decisions, bit-identical to ``dispatch.contracts.rng.keep_mask``."""
     if GROUPED:
         # group of (row, col) = row * N / 8 + col / 8: one Philox call per (row, group)
         counter = (offset + rows.to(tl.int64) * (N // 8))[:, None] + groups[None, :]  # (BM, BN8)

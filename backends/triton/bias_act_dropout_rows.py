@@ -6,8 +6,8 @@ and the bias read as 32-bit words (two elements each). Same math and mask as ``_
 import triton
 import triton.language as tl
 
-from backends.triton.activations import apply
-from backends.triton.bias_act_dropout_kernels import _philox, _rng
+from dispatch.backends.triton.activations import apply
+from dispatch.backends.triton.bias_act_dropout_kernels import _philox, _rng
 
 
 @triton.jit

@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.triton import matmul
-from backends.triton.activations import grad as act_grad
-from backends.triton.launch import Launcher
+from dispatch.backends.triton import matmul
+from dispatch.backends.triton.activations import grad as act_grad
+from dispatch.backends.triton.launch import Launcher
 
 
 @triton.jit

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.triton.activations import apply, grad
-from backends.triton.launch import Launcher
+from dispatch.backends.triton.activations import apply, grad
+from dispatch.backends.triton.launch import Launcher
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor

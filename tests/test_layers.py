@@ -1,0 +1,144 @@
+"""The house's rules, checked on the source: imports only point down, one top-level name, and importing
+the library does no work (no thread, process or file)."""
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Source folder -> the module prefix it installs as (pyproject.toml's package-dir)
+FOLDERS = {"dispatch": "dispatch", "backends": "dispatch.backends", "heuristics": "dispatch.heuristics"}
+
+
+def _layer(module: str) -> int:
+    """0: contracts (import nothing of ours above them); 1: backends and heuristics; 2: the rest."""
+    if module == "dispatch.contracts" or module.startswith("dispatch.contracts."):
+        return 0
+    if module.startswith(("dispatch.backends", "dispatch.heuristics")):
+        return 1
+    return 2
+
+
+def _modules() -> dict[str, str]:
+    found = {}
+    for folder, prefix in FOLDERS.items():
+        for here, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in files:
+                if name.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(here, name), os.path.join(ROOT, folder))
+                    parts = rel[:-3].split(os.sep)
+                    if parts[-1] == "__init__":
+                        parts = parts[:-1]
+                    found[".".join([prefix, *parts])] = os.path.join(here, name)
+    return found
+
+
+def _imports(path: str, module: str) -> list[tuple[int, str]]:
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):  # function-level imports count too: a lazy upward import is still upward
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+            out += [(node.lineno, base)] + [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return out
+
+
+def _ours(name: str, modules: dict[str, str]) -> str | None:
+    """The module of ours that ``name`` refers to (a package, module or a name inside one), if any."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def test_imports_only_point_down():
+    modules = _modules()
+    assert "dispatch.backends.eager" in modules and "dispatch.contracts" in modules
+    upward = []
+    for module, path in modules.items():
+        for line, name in _imports(path, module):
+            if name.split(".")[0] in ("backends", "heuristics"):
+                upward.append(f"{path}:{line} imports {name}: the installed name is dispatch.{name}")
+                continue
+            target = _ours(name, modules)
+            if target is None or target == "dispatch":
+                continue
+            allowed = _layer(target) <= _layer(module)
+            # a backend may build on the reference backend (nvfuser and inductor trace eager's functions),
+            # never on another backend, the dispatcher or the heuristics
+            if _layer(module) == 1 and _layer(target) == 1:
+                same = target.split(".")[:3] == module.split(".")[:3]
+                allowed = same or target.startswith("dispatch.backends.eager") and module.startswith("dispatch.backends")
+            if not allowed:
+                upward.append(f"{path}:{line} ({module}) imports {target}")
+    assert not upward, "\n".join(upward)
+
+
+def test_one_top_level_name():
+    text = open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8").read()
+    assert '"dispatch.backends" = "backends"' in text and '"dispatch.heuristics" = "heuristics"' in text
+
+
+def test_import_does_no_work(tmp_path):
+    """``import dispatch`` (and its public names) starts no thread or process and writes no file."""
+    home = tmp_path / "home"
+    home.mkdir()
+    code = textwrap.dedent(
+        """
+        import os, subprocess, sys, threading
+        started = []
+        real_popen = subprocess.Popen.__init__
+        def popen(self, *a, **k):
+            started.append(a[0] if a else k.get("args"))
+            return real_popen(self, *a, **k)
+        subprocess.Popen.__init__ = popen
+        real_fork = os.fork
+        os.fork = lambda: started.append("fork") or real_fork()
+        before = set(threading.enumerate())
+        import dispatch
+        from dispatch import fused_bias_act_dropout, fused_linear, explain, use_backend, patch, nn
+        extra = [t.name for t in threading.enumerate() if t not in before]
+        print("threads", extra, "processes", started)
+        assert not extra and not started
+        assert "triton" not in sys.modules, "importing dispatch imported triton"
+        """
+    )
+    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("DISPATCH_HEURISTICS_DIR", None)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    written = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
+    assert not written, written
+
+
+def test_users_own_backends_and_heuristics_do_not_shadow_ours(tmp_path):
+    """A user's project with its own ``backends/`` package and ``heuristics.py`` in the working directory."""
+    (tmp_path / "backends").mkdir()
+    (tmp_path / "backends" / "__init__.py").write_text("raise ImportError('the user backends package')\n")
+    (tmp_path / "heuristics.py").write_text("lookup = None  # the user's own module\n")
+    code = textwrap.dedent(
+        """
+        import torch
+        from dispatch import fused_bias_act_dropout, fused_linear, explain
+        x, b, w = torch.randn(4, 8), torch.randn(8), torch.randn(3, 8)
+        torch.testing.assert_close(fused_bias_act_dropout(x, b, "relu", 0.0), torch.relu(x + b))
+        torch.testing.assert_close(fused_linear(x, w, None, "relu"), torch.relu(x @ w.T))
+        print(explain("fused_linear", x, w, None, "relu").backend.name)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "eager"
