@@ -40,10 +40,10 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
-import heuristics
+from dispatch import heuristics
 from dispatch import calibrate_bench as bench
-from dispatch import calibrate_checks, calibrate_report, select
-from dispatch.activations import ACTIVATION_NAMES
+from dispatch import calibrate_checks, calibrate_report, select, timing
+from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.calibrate_plan import MODES, NOISE, PREFERENCE, Plan, default_plan, held_out_sizes
 from dispatch.calibrate_run import Run
 from dispatch.registry import OPS, backends
@@ -68,7 +68,7 @@ def _bandwidth_gbs(device: torch.device) -> Optional[float]:
         return None
     src = torch.empty(2**28, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
-    ms = bench.time_ms(lambda: dst.copy_(src), [], device, True, False)
+    ms = timing.per_call_ms(lambda: dst.copy_(src), [], device, True, False)
     return round(2 * src.numel() * 4 / ms / 1e6, 1)
 
 
@@ -245,11 +245,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bar.unit = "series"
         # a full run keeps 20% of its budget for what follows the series: the unmeasured sizes (to
         # 85%), the narrow wins timed again (to 88%), the deferred parity checks (to 95%) and the
-        # member checks (to 100%). Session 7's full run (489 s, 126 series) spent 380 s compiling
+        # member checks (to 100%). On the H200 a full run (489 s, 126 series) spent 380 s compiling
         # ahead and on the series, then 18 s on the unmeasured sizes, 54 s on the parity checks and
-        # 34 s on the member checks; session 8's (budget 535 s) 422 s, then 16, 64 and 31 s, when the
+        # 34 s on the member checks; another (budget 535 s) 422 s, then 16, 64 and 31 s, when the
         # budget cut the member checks short (19 of 346 segments). The parity checks now check a fit
-        # point's winner only (check_deferred): ~228 of those 404 worker seconds, by session 8's
+        # point's winner only (check_deferred): ~228 of those 404 worker seconds, by the latter's
         # table. A resumed run whose unmeasured sizes are done keeps 15%. A quick run with workers
         # keeps 30% for its deferred checks
         after = 0.2 if unheld else 0.15
@@ -265,7 +265,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bar.unit = "point"
             calibrate_checks.held_out_at_other_sizes(run, unheld)
         # the narrow wins over eager, timed again before the checks and the fit: to 88% of the budget,
-        # at least 10 s, at most 30 s (10 quick); session 8's table had 41 such points, and its resumed
+        # at least 10 s, at most 30 s (10 quick); an H200 full table had 41 such points, and its resumed
         # run timed 22 of them in 30 s, narrowest first (6 changed winner)
         left = plan.budget_s * 0.88 - (time.monotonic() - run.start)
         narrow = calibrate_checks.confirm_narrow(run, min(max(left, 10.0), 10.0 if plan.quick else 30.0))

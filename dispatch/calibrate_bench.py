@@ -1,27 +1,25 @@
 """Measuring one call on one backend: inputs, the parity check against the float64 reference, timing.
 
-Shared by ``python -m dispatch.calibrate`` and ``python -m dispatch.parity``. Every run goes through the
-public ops with ``backend=name``, so what is checked and timed is what a user's call runs (validation,
-the cached decision and the autograd glue cost the same ~us for every backend).
+Shared by ``python -m dispatch.calibrate`` and ``python -m dispatch.parity``. Every run goes through
+the public ops with ``backend=name``, so what is checked and timed is what a user's call runs
+(validation, the cached decision and the autograd glue cost the same ~us for every backend). The
+clock is ``dispatch.timing``'s, the one the benchmarks use: ``time_all`` only hands it ``Timer``s.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
 
-from backends.eager import bias_act_dropout as ref_bad
-from backends.eager import fused_linear as ref_fl
-from dispatch import rng as dropout_rng
-from dispatch import tolerances
+from dispatch import timing
 from dispatch.api import fused_bias_act_dropout, fused_linear
-from dispatch.registry import Call
+from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts import tolerances
+from dispatch.contracts.backend import Call
 
 P_DROPOUT = 0.1  # the p of every dropout measurement: cost does not depend on p
 WARM_CALLS = 1  # a call before the checked one: JIT backends compile/profile on their first call
@@ -122,6 +120,10 @@ def run_once(name: str, case: Case, inp: Inputs) -> list[Tensor]:
 
 def reference(case: Case, inp: Inputs) -> list[Tensor]:
     """The float64 reference of run_once's outputs (the eager backend's definitions, autograd grads)."""
+    # imported here, once a worker has a job: the reference is not needed to start one
+    from dispatch.backends.eager import bias_act_dropout as ref_bad
+    from dispatch.backends.eager import fused_linear as ref_fl
+
     leaves = _leaves(case, inp, torch.float64)
     with torch.set_grad_enabled(case.training):
         if case.op == "bias_act_dropout":
@@ -160,7 +162,7 @@ def failure(exc: BaseException) -> str:
 
 def check(name: str, case: Case, inp: Inputs, refs: list[Tensor], eager: list[Tensor]) -> Check:
     """Runs ``name`` (after warm-up calls) and compares every output with the reference, using
-    dispatch.tolerances' rule: err <= 2 * err(eager in this dtype) + atol + rtol * max|ref|."""
+    dispatch.contracts.tolerances' rule: err <= 2 * err(eager in this dtype) + atol + rtol * max|ref|."""
     try:
         for _ in range(WARM_CALLS if name != "eager" else 0):
             run_once(name, case, inp)
@@ -194,10 +196,10 @@ class Timer(NamedTuple):
 
 # Training on CUDA is timed as TRAIN_CHAIN forwards and one backward over all their outputs. A model
 # calls backward once per step for all its ops, so the autograd engine's fixed cost per backward()
-# call (measured in session 5 as most of an isolated fwd+bwd at GPT-2's c_fc shape: ~0.5 ms at M = 1)
-# belongs to no single op; timed one call per backward it swamped the differences between backends,
-# and the table sent c_fc to cublaslt: GPT-2 patched then trained at 0.86x eager's speed, 1.21x once
-# the chained timings sent it to triton (issue 7).
+# call (on the H200 ~0.5 ms at M = 1, most of an isolated fwd+bwd at GPT-2's c_fc shape) belongs to
+# no single op; timed one call per backward it swamped the differences between backends, and the
+# table sent c_fc to cublaslt: GPT-2 patched then trained at 0.86x eager's speed, 1.21x once the
+# chained timings sent it to triton.
 TRAIN_CHAIN = 4
 
 
@@ -232,130 +234,25 @@ def timer(name: str, case: Case, inp: Inputs) -> Timer:
     return Timer(chain, leaves, TRAIN_CHAIN)
 
 
-ROUNDS = 3  # interleaved timing rounds per point (time_all)
-LONG_MS = 0.5  # calls at least this long are timed back to back only (time_ms)
-SLOW_MS = 5.0  # calls at least this long get one round: noise is small next to them (time_all)
-
-
 def time_all(
     timers: dict[str, Timer],
     device: torch.device,
     quick: bool,
     training: bool,
-    rounds: int = ROUNDS,
-) -> tuple[dict[str, object], dict[str, float]]:
+    rounds: int = timing.ROUNDS,
+) -> tuple[dict[str, Union[float, Exception]], dict[str, float]]:
     """Each backend's median milliseconds per op call over ``rounds`` interleaved rounds (A B C,
-    B C A, C A B, ...), each round a ``ROUNDS``-th of ``time_ms``'s time: a slow phase of the host or
-    the GPU (the H200 host swings by 2x for seconds) then hits every backend alike instead of the one
-    being timed.
-    A backend whose first round took ``SLOW_MS`` or more is not timed again (the reference's dropout
-    takes up to 95 ms a call at 65536x4096). A backend whose timing raised gets its exception instead
-    of a number. Also returns the seconds spent on each."""
-    per: dict[str, list[float]] = {name: [] for name in timers}
-    out: dict[str, object] = {}
-    spent = dict.fromkeys(timers, 0.0)
-    names = list(timers)
-    for r in range(rounds):
-        shift = r % max(len(names), 1)
-        for name in names[shift:] + names[:shift]:
-            if name in out or (per[name] and per[name][0] >= SLOW_MS):
-                continue
-            fn, leaves, calls = timers[name]
-            start = time.monotonic()
-            try:
-                per[name].append(
-                    time_ms(fn, leaves, device, quick, training, 1.0 / ROUNDS, warm=r == 0, calls=calls)
-                )
-            except Exception as exc:
-                out[name] = exc
-            spent[name] += time.monotonic() - start
-    for name, times in per.items():
-        if name not in out:
-            out[name] = statistics.median(times)
-    return out, spent
-
-
-def time_ms(
-    fn: Callable[[], object],
-    grad_to_none: list[Tensor],
-    device: torch.device,
-    quick: bool,
-    training: bool,
-    share: float = 1.0,
-    warm: bool = True,
-    calls: int = 1,
-) -> float:
-    """Milliseconds per op call of ``fn`` (which makes ``calls`` of them) over ``share`` of the usual
-    time, after one untimed run if ``warm`` (with parity checks deferred to worker processes, the
-    first call here may compile).
-
-    On CUDA: the time per call in a stream of back-to-back calls (``stream_ms``), which is what a
-    model sees whenever the host is the slower side; for calls shorter than ``LONG_MS``, the larger of
-    that and the device time by ``triton.testing.do_bench``'s median (it flushes the L2 between runs,
-    so small shapes are not flattered by the cache; but its flush before every call also gives the
-    host ~0.1 ms of slack it has nowhere else, so host-heavy backends such as AOTAutograd's and
-    TorchScript's wrappers looked faster than they are inside a model: GPT-2, issue 7). Longer calls
-    skip do_bench: its five estimate calls plus warm-up and repeats were most of a calibration's
-    time, and an L2's worth of reuse is within noise of them. On CPU, a perf_counter median."""
-    with torch.set_grad_enabled(training):
-        if warm and device.type == "cuda":  # on CPU the parity check has just run it (no workers)
-            for t in grad_to_none:
-                t.grad = None
-            fn()
-        if device.type == "cuda":
-            import triton.testing
-
-            warmup, rep, stream = (3, 7, 3) if quick else (5, 10, 5)
-            wall = stream_ms(fn, grad_to_none, stream * share, device, calls)
-            if wall >= LONG_MS:
-                return wall
-            gpu = float(
-                triton.testing.do_bench(
-                    fn,
-                    warmup=warmup * share,
-                    rep=rep * share,
-                    grad_to_none=grad_to_none,
-                    return_mode="median",
-                )
+    B C A, ...: ``timing.interleave``), each round ``timing.per_call_ms`` over a ``timing.ROUNDS``-th
+    of its usual time, the first round after an untimed call (a JIT backend may compile there). A
+    backend whose first round took ``timing.SLOW_MS`` or more is not timed again; one whose timing
+    raised gets its exception instead of a number. Also returns the seconds spent on each."""
+    out, spent = timing.interleave(
+        {
+            name: lambda r, t=t: timing.per_call_ms(
+                t.fn, t.leaves, device, quick, training, 1 / timing.ROUNDS, warm=r == 0, calls=t.calls
             )
-            return max(gpu / calls, wall)
-        times: list[float] = []
-        budget = (0.1 if quick else 0.3) * share
-        while len(times) < 3 or (len(times) < 50 and sum(times) < budget * 1e3):
-            for t in grad_to_none:
-                t.grad = None
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3 / calls)
-        return sorted(times)[len(times) // 2]
-
-
-def stream_ms(
-    fn: Callable[[], object], grad_to_none: list[Tensor], budget_ms: float, device, calls: int = 1
-) -> float:
-    """Wall milliseconds per op call of ``fn`` (``calls`` op calls per run) run back to back with one
-    synchronization at the end: the larger of the host's time per call and the device's (the latter
-    with a warm L2 for small inputs, which is why ``time_ms`` also asks do_bench). About three op
-    calls first (at least one run); a call of ``LONG_MS`` or more returns that (a chained run then
-    costs about what three single calls did), a shorter one is timed again over as many runs as fill
-    ``budget_ms`` by the first estimate (3 to 200), so the launch and synchronization latency fades."""
-    runs = max(1, 3 // calls)
-    first = _back_to_back(fn, grad_to_none, runs, device) / calls
-    if first >= LONG_MS:
-        return first
-    runs = min(200, max(3, int(budget_ms / max(first * calls, 1e-3))))
-    return _back_to_back(fn, grad_to_none, runs, device) / calls
-
-
-def _back_to_back(fn: Callable[[], object], grad_to_none: list[Tensor], calls: int, device) -> float:
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        for t in grad_to_none:
-            t.grad = None
-        fn()
-    if cuda:
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) * 1e3 / calls
+            for name, t in timers.items()
+        },
+        rounds,
+    )
+    return {n: t if isinstance(t, Exception) else t.ms for n, t in out.items()}, spent

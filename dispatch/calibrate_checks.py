@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from dispatch import calibrate_bench as bench
-from dispatch import calibrate_workers
+from dispatch import calibrate_workers, timing
 from dispatch.calibrate_plan import Series, fit, held_out_sizes, rank
 from dispatch.calibrate_run import Run, member_points
 
@@ -240,12 +240,12 @@ def held_out_at_other_sizes(run: Run, series: list[Series]) -> None:
             run.bar.update()
 
 
-CONFIRM_ROUNDS = 9  # three times a point's usual rounds (and time), for the points timed again
+CONFIRM_ROUNDS = 3 * timing.ROUNDS  # a point's usual rounds (and time) three times, when timed again
 # A fit point where a backend beats eager by less than this, on a call shorter than SLOW_MS, is timed
 # again before the fit keeps it: host-bound calls (every training call below M ~ 1000 on the H200,
 # 0.5-1 ms of autograd and launches) repeat only within 5-10%, so a first-timing win of 3-10% over
 # eager is as often noise as not, and a pick that loses to eager there misses the self-check's "never
-# more than 3% slower than eager" (session 8: nvfuser picked at M = 16 in float32 training by 3.5%,
+# more than 3% slower than eager" (on the H200: nvfuser picked at M = 16 in float32 training by 3.5%,
 # 5.1% slower than eager when timed again)
 NARROW = 0.10
 
@@ -270,9 +270,9 @@ def _time_again(run: Run, e: dict, pt: dict) -> Optional[dict[str, float]]:
 
 def narrow(pt: dict) -> Optional[float]:
     """How much a point's winner beats eager by, if it is not eager and wins by less than ``NARROW``
-    on a call shorter than ``bench.SLOW_MS``, and the point was not timed again already."""
+    on a call shorter than ``timing.SLOW_MS``, and the point was not timed again already."""
     ms = pt["ms"]
-    if "first_ms" in pt or "eager" not in ms or ms["eager"] >= bench.SLOW_MS:
+    if "first_ms" in pt or "eager" not in ms or ms["eager"] >= timing.SLOW_MS:
         return None
     winner = rank(ms)[0]
     margin = ms["eager"] / ms[winner] - 1
@@ -348,7 +348,7 @@ def confirm(run: Run, doc: dict, deadline_s: float) -> Optional[dict]:
     """Times again (``_time_again``) each held-out point where the table's pick missed by the first
     timings (``calibrate_report.suspect``), and stores the result as the point's ``confirmed_ms``.
     Why: a point's fastest backend is the minimum of noisy numbers, so near-ties between backends that
-    run the same kernels read as regrets of 10-20% at host-bound sizes (session 6's self-check). The
+    run the same kernels read as regrets of 10-20% at host-bound sizes in an H200 self-check). The
     first timings stay, and the self-check reports both. Points are taken worst first, until
     ``deadline_s`` has passed."""
     from dispatch import calibrate_report

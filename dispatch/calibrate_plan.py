@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from dispatch import shapes
+from dispatch.contracts import shapes
 
 # Preference order, simpler first, breaks ties inside measurement noise so tables are stable from run
 # to run: eager is the reference (nothing compiled); cuBLASLt is a vendor library call (no JIT); triton
@@ -27,9 +27,9 @@ MODES = ("inference", "training")
 # gradient), and its cheap activations apart from the transcendental ones: its eager, nvfuser and
 # inductor backends run the activation and its gradient as separate elementwise passes, which cost
 # 2x more for gelu_tanh than for relu in bf16 training at GPT-2 sizes (0.81 vs 1.75 ms at 8192 x 3072 x
-# 768, session 7; gelu_tanh used to share relu's timings and the table sent GPT-2's c_fc to eager).
-# (Eager's share of that gap was its float32 composite of gelu_tanh's gradient; since session 8 it
-# runs PyTorch's own kernels, one pass each way, not yet measured against the classes.)
+# 768 on the H200; gelu_tanh used to share relu's timings and the table sent GPT-2's c_fc to eager).
+# (Eager's share of that gap was its float32 composite of gelu_tanh's gradient; it now runs
+# PyTorch's own kernels, one pass each way, not yet measured against the classes.)
 # The first name of a class is served by every backend that serves a member (cuBLASLt's epilogues
 # cover relu and gelu_tanh only), so every member's backends are timed; a member keeps the timings of
 # the backends that serve it. --probe checks the classes: every activation is timed at one shape and a
@@ -42,12 +42,13 @@ CLASSES: dict[str, tuple[tuple[str, ...], ...]] = {
 }
 
 
-# The feature sizes of a full run: real-model sizes spread over the range. Every one of dispatch.shapes'
-# 14 hidden/MLP sizes and 18 (N, K) pairs with 3 dtypes, 2 modes and dropout on/off is ~550 series,
-# ~35 min on the H200 host; five sizes per op (210 series) did not fit in 10 min either (session 4: 34
-# series in the 315 s the series phase had, 4-24 s each), so a full run measures three per op, small,
-# middle and large. Lookup between measured sizes takes the nearest one; the self-check's held-out
-# points include unmeasured real-model sizes, so what that costs is measured, not assumed.
+# The feature sizes of a full run: real-model sizes spread over the range. Every one of
+# dispatch.contracts.shapes' 14 hidden/MLP sizes and 18 (N, K) pairs with 3 dtypes, 2 modes and
+# dropout on/off is ~550 series, ~35 min on the H200 host; five sizes per op (210 series) did not fit
+# in 10 min either (34 series in the 315 s the series phase had, 4-24 s each), so a full run measures
+# three per op, small, middle and large. Lookup between measured sizes takes the nearest one; the
+# self-check's held-out points include unmeasured real-model sizes, so what that costs is measured,
+# not assumed.
 FULL_FEATURES = (768, 4096, 14336)  # GPT-2/BERT hidden, LLaMA-2/3-8B hidden, LLaMA-3-8B/Mistral MLP
 FULL_LINEAR = (  # (N, K) = (out, in)
     (3072, 768),  # GPT-2 / BERT / ViT-B up
@@ -211,7 +212,7 @@ def contenders(
     (host overhead only grows in weight), and the first two points are far apart in M.
     On the H200 this drops, e.g., the traced-Philox dropout of nvfuser and inductor (7-200x triton's
     time) after the first point; nvfuser recompiles at every new M in the measuring process (its
-    TorchScript caches cannot be filled ahead by the workers), 1-3 s a point in session 5."""
+    TorchScript caches cannot be filled ahead by the workers), 1-3 s a point on the H200 host."""
     keep = []
     for name in names:
         seen = [p["ms"] for p in points.values() if name in p["ms"]]
@@ -226,10 +227,10 @@ def hopeless_in(points: list[dict], hopeless: float = HOPELESS) -> set[str]:
     """The backends (never eager) slower than ``hopeless`` times the fastest at every point of
     ``points`` where they were timed. A family's first series (one feature size) drops these from the
     family's later series, held-out points included: they cost their first calls (nvfuser's per-shape
-    TorchScript compiles: 60 of the 159 s of series in session 6's bias_act training refresh were
-    nvfuser's and inductor's timings in later series of the dropout families, where they lose by
-    7-200x). Checked on the session 6 table: no backend hopeless at every point of one feature size
-    of a family wins anywhere at another size of it."""
+    TorchScript compiles: 60 of the 159 s of series in an H200 refresh of bias_act_dropout training
+    were nvfuser's and inductor's timings in later series of the dropout families, where they lose
+    by 7-200x). Checked on that refresh's table: no backend hopeless at every point of one feature
+    size of a family wins anywhere at another size of it."""
     timed = [p["ms"] for p in points if p["ms"]]
     names = {n for ms in timed for n in ms} - {"eager"}
     return {n for n in names if all(ms[n] > hopeless * min(ms.values()) for ms in timed if n in ms)}
@@ -290,7 +291,7 @@ def fit(points: list[dict]) -> list[dict]:
 
 
 def all_features(op: str) -> list[tuple[int, ...]]:
-    """Every real-model feature size of ``op`` (dispatch.shapes)."""
+    """Every real-model feature size of ``op`` (dispatch.contracts.shapes)."""
     return [(n,) for n in shapes.feature_sizes()] if op == "bias_act_dropout" else shapes.linear_shapes()
 
 

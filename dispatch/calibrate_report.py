@@ -1,11 +1,11 @@
-"""The end of ``python -m dispatch.calibrate``: the self-check on held-out points against the issue's
-targets, and the lines that report it and where the time went."""
+"""The end of ``python -m dispatch.calibrate``: the self-check on held-out points against the
+calibrator's targets (TARGETS), and the lines that report it and where the time went."""
 
 from __future__ import annotations
 
 import torch
 
-import heuristics
+from dispatch import heuristics
 from dispatch import calibrate_bench as bench
 
 TARGETS = {"within_5pct": 0.95, "worst_regret": 0.15, "worst_vs_eager": 0.03}
@@ -57,7 +57,7 @@ def _stats(points: list[tuple[dict, str]]) -> dict:
 
 def self_check(doc: dict) -> dict:
     """On the held-out points: the share of calls whose chosen backend is within 5% of the fastest, the
-    worst regret, and the worst slowdown against eager (the issue's targets: 95%, 15%, 3%).
+    worst regret, and the worst slowdown against eager (TARGETS: 95%, 15%, 3%).
 
     A point whose first timings made the pick miss was timed again, all its backends side by side in
     more rounds (``confirmed_ms``, see ``calibrate_checks.confirm``): its fastest backend was picked by

@@ -7,8 +7,8 @@ Two kinds of job, both off the measuring process's clock:
   (M = 1 or M >= 2), Triton one binary per kernel configuration. Both compilers keep a cache on disk
   (inductor's FX graph cache, Triton's kernel cache), so workers run each kind of call once at the
   plan's coarse token counts and the measuring process then loads what they compiled. On the H200
-  host inductor's compiles had been 250 of a 290 s budget-limited run
-  (results/calibrate_budget300_*); 4325 calls took 85 s in 12 processes (results/calibrate_full_*).
+  host inductor's compiles had been 250 of a 290 s budget-limited run; ahead, the 4325 calls of a
+  full run took 85 s in 12 processes.
 * ``check``: the parity gate. Checking a point (the float64 reference, eager, two calls of each
   backend, the comparison) took 307 of the 470 s that the measuring process spent on 180 series, one
   point after another. Timings need the GPU to themselves; checks do not, so with workers the
