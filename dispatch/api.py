@@ -59,7 +59,8 @@ def fused_bias_act_dropout(
         F.dropout(act(x + bias), p, training)   # up to the choice of random bits
     """
     x, bias, activation, p, dropout, shape, device, dtype = bias_act_dropout_args(x, bias, activation, p, training, generator)
-    check_backend(backend)
+    if backend is not None:
+        check_backend(backend)
     if dropout and p == 1.0:
         # Every element dropped. Not for the backends: the rng spec's 16-bit threshold stops at
         # 65535/65536 and 1/(1-p) is infinite. As F.dropout does, the activation times zero: zeros
@@ -67,7 +68,7 @@ def fused_bias_act_dropout(
         return fused_bias_act_dropout(x, bias, activation, 0.0, False, backend=backend).mul(0.0)
     if not dropout:
         p = 0.0
-    rows = x if x.dim() == 2 else x.reshape(shape)  # (M, N): a view where strides allow
+    rows = x if x.dim() == 2 else x.reshape(shape[0], shape[1])  # (M, N): a view where strides allow
     # whether autograd will want a backward (a plain or: this runs on every call)
     grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     if torch.compiler.is_compiling():
@@ -117,7 +118,8 @@ def fused_linear(
         act(F.linear(x, weight, bias))
     """
     x, weight, bias, activation, shape, device, dtype = fused_linear_args(x, weight, bias, activation)
-    check_backend(backend)
+    if backend is not None:
+        check_backend(backend)
     m, n, k = shape
     rows = x if x.dim() == 2 else x.reshape(m, k)  # (M, K): a view where strides allow
     grad = torch.is_grad_enabled() and (

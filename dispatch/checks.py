@@ -42,30 +42,38 @@ def _check_tensor(name: str, t: object) -> Tensor:
     return t
 
 
-def _check_like(name: str, t: Tensor, dtype: torch.dtype, device: torch.device) -> None:
-    if t.dtype is not dtype:
+def _check_like(name: str, t: object, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An operand that must match x: a dense tensor of x's dtype (a floating one, checked) and device."""
+    if not isinstance(t, Tensor) or t.dtype is not dtype:
+        _check_tensor(name, t)  # names a non-tensor or a non-floating dtype first
         raise TypeError(f"{name} must have x's dtype {dtype}, got {t.dtype}")
+    if t.layout is not torch.strided or t.is_nested:
+        _check_tensor(name, t)
     if t.device != device:
         raise ValueError(f"{name} must be on x's device {device}, got {t.device}")
+    return t
 
 
 def _check_bias(bias: object, n: int, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
     """bias as the backends take it: None, or (n,) like x and unit-stride (a copy of n values if not)."""
     if bias is None:
         return None
-    b = _check_tensor("bias", bias)
-    _check_like("bias", b, dtype, device)
+    b = _check_like("bias", bias, dtype, device)
     if b.shape != (n,):
         raise ValueError(f"bias must have shape ({n},) to match the output's last dimension, got {tuple(b.shape)}")
     return b if b.is_contiguous() else b.contiguous()
 
 
-def _rows_of(x: Tensor) -> tuple[int, int]:
+def _rows_of(shape: torch.Size) -> tuple[int, int]:
     """x's shape as the backends see it, (M, features), with M the product of the leading dims."""
-    shape = x.shape
-    if not shape:
+    dims = len(shape)
+    if dims == 2:
+        return shape[0], shape[1]
+    if dims == 3:  # (batch, tokens, features): the other common case, without math.prod's tuple
+        return shape[0] * shape[1], shape[2]
+    if not dims:
         raise ValueError("x must have at least one dimension (..., N), got a 0-d tensor")
-    return (shape[0] if len(shape) == 2 else math.prod(shape[:-1])), shape[-1]
+    return math.prod(shape[:-1]), shape[-1]
 
 
 def _check_activation(activation: object) -> str:
@@ -112,7 +120,7 @@ def bias_act_dropout_args(
 ) -> tuple[Tensor, Optional[Tensor], str, float, bool, tuple[int, int], torch.device, torch.dtype]:
     """The checked arguments, whether dropout applies, x's (M, N), device and dtype."""
     x = _check_tensor("x", x)
-    rows = _rows_of(x)
+    rows = _rows_of(x.shape)
     device, dtype = x.device, x.dtype
     bias = _check_bias(bias, rows[1], dtype, device)
     # the common values take one test each; the checks that name a bad value run only for the rest
@@ -135,10 +143,9 @@ def fused_linear_args(
 ) -> tuple[Tensor, Tensor, Optional[Tensor], str, tuple[int, int, int], torch.device, torch.dtype]:
     """The checked arguments, the call's (M, N, K), x's device and dtype."""
     x = _check_tensor("x", x)
-    m, k = _rows_of(x)
+    m, k = _rows_of(x.shape)
     device, dtype = x.device, x.dtype
-    w = _check_tensor("weight", weight)
-    _check_like("weight", w, dtype, device)
+    w = _check_like("weight", weight, dtype, device)
     wshape = w.shape
     if len(wshape) != 2 or wshape[1] != k:
         raise ValueError(
