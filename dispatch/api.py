@@ -9,6 +9,7 @@ op, inside the op's autograd Function (``dispatch.autograd``) when a backward wi
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor
 from dispatch.contracts import rng as dropout_rng
 from dispatch import select
 from dispatch.autograd import BiasActDropout, fused_linear_training
+from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.checks import bias_act_dropout_args, check_backend, fused_linear_args
 from dispatch.registry import Call, fused_linear_inference, trusted
 from dispatch.select import Decision
@@ -137,9 +139,13 @@ def fused_linear(
     key = select.key("fused_linear", device, dtype, shape, activation, False, grad, backend)
     # with autograd: the backend's differentiable function or its forward/backward in the Function;
     # without: its inference entry (registry.fused_linear_inference). Both take (x, weight, bias, act).
-    run = select.runner(key, (lambda impl: fused_linear_training(impl, activation)) if grad else fused_linear_inference)
+    run = select.runner(key, _TRAINING[activation] if grad else fused_linear_inference)
     y = run(rows, weight, bias, activation)
     return y if rows is x else y.view(*x.shape[:-1], n)
+
+
+# what select.runner makes of a backend's op module for calls with autograd, one per activation
+_TRAINING = {name: functools.partial(fused_linear_training, activation=name) for name in ACTIVATION_NAMES}
 
 
 def explain(op_name: str, *args: Any, **kwargs: Any) -> Decision:
