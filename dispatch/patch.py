@@ -297,8 +297,8 @@ def patch(model: nn.Module, *, bias_in_linear: bool = True, linear_dropout: bool
     none. Under torch.compile the patched graph then matches the original's: compiled patched GPT-2
     ran at 1.000x and 1.0035x the compiled original this way, at 0.991-0.993x in four runs with the
     bias moved into the dropout's pass (``bias_in_linear=False``, where inductor adds it in a kernel
-    of its own); in eager mode the two forms measured alike within the run-to-run spread
-    (benchmarks/NOTES.md).
+    of its own); in eager mode the two forms measured alike within the run-to-run spread (H200,
+    2026-11-30; benchmarks/PERF.md).
 
     ``linear_dropout=False`` leaves such runs (Linear -> Dropout, no activation) alone: their fusion
     saves one small elementwise pass on the GPU but adds host time (two op dispatches for one

@@ -66,7 +66,7 @@ def differentiable(activation: str) -> Optional[Callable[[Tensor, Tensor, Option
     has PyTorch kernels both ways (the kernels ``forward`` and ``backward`` launch, so the same
     numbers and saved tensors), None otherwise (the dispatcher wraps ``forward``/``backward`` in its
     autograd.Function). That Function's Python cost 100-120 us of host time per GPT-2 MLP block (two
-    calls, forward and backward) on the H200's host (benchmarks/NOTES.md), where patched
+    calls, forward and backward) on the H200's host (2026-11-30; benchmarks/PERF.md), where patched
     GPT-2 sends every bf16 training fused_linear call."""
     return traced if ACTIVATIONS[activation].native and ACTIVATIONS[activation].backward else None
 

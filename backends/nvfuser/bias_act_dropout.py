@@ -5,11 +5,10 @@ Forward and backward are separate gradient-free functions with nothing saved bet
 backward graph regenerates the dropout mask from ``rng`` with the same traced int64 ops as the
 forward graph (``dispatch.contracts.rng``), so both give eager's mask bit for bit.
 
-(Session 2 moved the mask out of the graph after a GPU test saw grad_x's zeros differ from y's; the
-cause was the test's data, not the backend: torch.randn returns an exact 0.0 about once in 5 million
-float32 draws, and a zero upstream gradient at a kept element reads as "dropped".
-benchmarks/probes/probe_compiled_dropout_first_call.py reproduced it with the test's seed for eager,
-nvfuser and inductor alike.)
+(A GPU test that saw grad_x's zeros differ from y's did not point at this backend: torch.randn
+returns an exact 0.0 about once in 5 million float32 draws, and a zero upstream gradient at a kept
+element reads as "dropped". With the test's seed eager, nvfuser and inductor showed it alike (H200,
+2026-11-30).)
 """
 
 from __future__ import annotations
