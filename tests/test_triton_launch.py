@@ -1,13 +1,17 @@
 """backends/triton/launch.py: the compiled-kernel cache key must be at least as fine as Triton's own
 specialization (tensor dtype and 16-byte alignment; int width, == 1, % 16 == 0), so that a cached
-kernel is never reused for arguments it was not compiled for. The CUDA launch itself runs in the
-gpu tests of the kernels that use it."""
+kernel is never reused for arguments it was not compiled for; constexprs are passed by name and must
+be exactly the kernel's; the private fast path is gated on the Triton versions it was tested with.
+The CUDA launch itself runs in the gpu tests of the kernels that use it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from dispatch.backends.triton import launch
 from dispatch.backends.triton.launch import Launcher
 
 launcher = Launcher(kernel=None, tensors=2)
@@ -62,3 +66,90 @@ def test_descriptors_are_keyed_by_dtype_and_block_shape_only():
     assert key(a, [32, 16]) != key(a, [64, 16])
     assert key(a, [32, 16]) != key(a.to(torch.float16), [32, 16])
     assert key(a, [32, 16]) != key(a, [32, 16], stages=4)
+
+
+@triton.jit
+def _affine_kernel(
+    X,  # (n,) input
+    Y,  # (n,) output
+    n,  # elements
+    scale,  # float multiplier
+    BLOCK: tl.constexpr,
+    SHIFT: tl.constexpr,  # added after scaling
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(Y + offs, tl.load(X + offs, mask=mask) * scale + SHIFT, mask=mask)
+
+
+def test_constexprs_by_name_in_any_order():
+    """Constexprs are given by name, in any order; the launcher passes them in parameter order."""
+    x = torch.randn(37)
+    y = torch.empty(37)
+    affine = Launcher(_affine_kernel, tensors=2)
+    assert affine.constexprs == ("BLOCK", "SHIFT")
+    affine((3,), (x, y, 37, 2.0), dict(SHIFT=1.0, BLOCK=16), num_warps=1)
+    torch.testing.assert_close(y, x * 2.0 + 1.0)
+
+
+@pytest.mark.parametrize(
+    "constexprs, message",
+    [
+        (dict(BLOCK=16), "missing ['SHIFT']"),
+        (dict(BLOCK=16, SHIFT=1.0, EXTRA=3), "unexpected ['EXTRA']"),
+        (dict(BLOCK=16, SHIFTS=1.0), "missing ['SHIFT'], unexpected ['SHIFTS']"),
+    ],
+    ids=["missing", "extra", "misspelt"],
+)
+def test_constexpr_names_must_be_the_kernels(constexprs, message):
+    affine = Launcher(_affine_kernel, tensors=2)
+    with pytest.raises(TypeError, match="_affine_kernel takes the constexprs BLOCK, SHIFT") as error:
+        affine((1,), (torch.empty(4), torch.empty(4), 4, 1.0), constexprs, num_warps=1)
+    assert message in str(error.value)
+
+
+def test_constexprs_must_be_a_dict():
+    affine = Launcher(_affine_kernel, tensors=2)
+    with pytest.raises(TypeError, match="constexprs must be a dict of name -> value, got tuple"):
+        affine((1,), (torch.empty(4), torch.empty(4), 4, 1.0), (16, 1.0), num_warps=1)
+
+
+@pytest.mark.parametrize(
+    "version, parsed", [("3.6.0", (3, 6)), ("3.6.1+git1a2b3c", (3, 6)), ("3.10.0", (3, 10)), ("dev", None)]
+)
+def test_major_minor(version, parsed):
+    assert launch.major_minor(version) == parsed
+
+
+class _CudaLooking:
+    """Stands in for a CUDA tensor: only the gate's ``is_cuda`` is read on the fallback path."""
+
+    is_cuda = True
+
+
+def test_untested_triton_launches_through_kernel_getitem(monkeypatch):
+    """On a Triton version the fast path was not tested with, a CUDA launch goes through
+    ``kernel[grid](...)`` (the private ``CompiledKernel.run`` is never reached), constexprs in the
+    kernel's parameter order; a tested version takes the fast path; the environment overrides both."""
+    monkeypatch.delenv(launch.FAST_LAUNCH_ENV, raising=False)
+    monkeypatch.setattr(launch, "TRITON_VERSION", (3, 6))
+    assert Launcher(_affine_kernel, tensors=2).fast
+    monkeypatch.setattr(launch, "TRITON_VERSION", (3, 99))
+    affine = Launcher(_affine_kernel, tensors=2)
+    assert not affine.fast
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **options: launched.append((grid, args, options))
+
+    affine.kernel = Kernel()
+    x, y = _CudaLooking(), _CudaLooking()
+    affine((2,), (x, y, 37, 2.0), dict(SHIFT=1.0, BLOCK=16), num_warps=4)
+    assert launched == [((2,), (x, y, 37, 2.0, 16, 1.0), {"num_warps": 4})]
+    assert not affine._compiled
+    monkeypatch.setenv(launch.FAST_LAUNCH_ENV, "1")
+    assert Launcher(_affine_kernel, tensors=2).fast
+    monkeypatch.setenv(launch.FAST_LAUNCH_ENV, "0")
+    monkeypatch.setattr(launch, "TRITON_VERSION", (3, 6))
+    assert not Launcher(_affine_kernel, tensors=2).fast

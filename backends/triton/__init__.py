@@ -5,6 +5,12 @@ capability >= 8.0 (bf16); float16, bfloat16, float32; every activation; determin
 atomics: reductions finish in a fixed order). On CPU it runs only through Triton's interpreter
 (``TRITON_INTERPRET=1``), for tests, and only when asked for by name: the dispatcher never picks the
 interpreter on its own.
+
+Files, by role: ``bias_act_dropout.py`` (kernels, launch settings, launchers) and ``fused_linear.py``
+(training on cuBLAS products and bias_act_dropout's passes, inference on the matmul of ``matmul.py``:
+its kernels, tile configs and ``launch``; a column-sum pass for identity's grad_b)
+serve one op each; ``activations.py`` (the activation table) and ``philox.py`` (the dropout RNG spec)
+are the jitted helpers the kernels share; ``launch.py`` caches compiled kernels for cheap launches.
 """
 
 from __future__ import annotations

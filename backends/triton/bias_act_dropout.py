@@ -1,10 +1,27 @@
-"""Triton bias_act_dropout: launch settings per shape class, then the launchers of the
-``dispatch.registry.BiasActDropoutImpl`` contract. Kernels: ``bias_act_dropout_kernels.py``.
+"""Triton bias_act_dropout: y = dropout(act(x + bias)), forward and backward, the
+``dispatch.registry.BiasActDropoutImpl`` contract. In order: the kernels, their launch settings, the
+launchers (check, allocate, launch). The dropout mask is the RNG spec's, from ``philox.py``.
+
+Tiles are 3-D, (BLOCK_M rows, BLOCK_N // 8 groups, 8 lanes): a group is the eight consecutive
+elements that share one Philox call under ``dispatch.contracts.rng``'s spec, so each call's eight
+16-bit values meet their elements without any interleaving (for 16-bit dtypes a thread holds whole
+groups: one 16-byte vector; for float32 two neighbouring threads share a group and each runs its call).
+
+Bytes per element (dtype size s): forward reads x and writes y (2s); backward reads grad_y and x and
+writes grad_x (3s), plus float32 partial bias sums, 4 B per (row-program, column): 1/16 B an element
+with 64-row programs, written once and read once by ``_bias_grad_kernel`` (2% of bf16 backward bytes).
+
+Issue budget: the H200 copies at 4.14 TB/s; 132 SMs x 4 schedulers x 32 lanes x 1.98 GHz retire
+3.3e13 lane-instructions/s, so a bf16 forward at copy speed affords ~32 instructions an element, a bf16
+backward ~48. sm_90 SASS of these kernels (triton 3.6 and 3.9, bf16, forward 4 x 1024 tiles / backward
+loop at 2 x 1024): forward gelu 21 (30 with dropout), relu 8 (17); backward gelu 28 (38), relu 11 (20).
+Dropout costs ~9 an element (``philox.py``).
 
 Launch settings come from a rule, not an autotuner, so a new token count never triggers tuning:
 BLOCK_N a power of two <= 1024 that wastes at most 1/16 of a row on padding, BLOCK_M the rest of a
 fixed tile; decode shapes (M <= 64) take every row in one tile: one launch forward, one backward.
-Compiled variants are keyed by these buckets only (M is not specialized).
+Compiled variants are keyed by these buckets only (M is not specialized). 16-bit inputs with dropout
+past decode sizes take ``_forward_rows_kernel``, bit for bit the tile kernel's y in fewer instructions.
 """
 
 from __future__ import annotations
@@ -14,38 +31,270 @@ from types import SimpleNamespace
 from typing import NamedTuple, Optional
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
-from dispatch.backends.triton.bias_act_dropout_kernels import _backward_kernel, _bias_grad_kernel, _forward_kernel
-from dispatch.backends.triton.bias_act_dropout_rows import _forward_rows_kernel
+from dispatch.backends.triton.activations import apply, grad
 from dispatch.backends.triton.launch import Launcher
+from dispatch.backends.triton.philox import keep_mask, row_keep_mask, seed_offset
 from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.rng import Rng
 
+
+@triton.jit(do_not_specialize=["M", "threshold", "seed_lo", "seed_hi", "offset_lo", "offset_hi"])
+def _forward_kernel(
+    X,  # input, (M, N) with strides (stride_xm, stride_xn)
+    B,  # bias, (N,); unused without HAS_BIAS
+    Y,  # output, (M, N) contiguous, x's dtype
+    RNG,  # int64 [seed, offset] with RNG_ON_DEVICE; unused without DROPOUT
+    seed_lo,  # int32 words of a host (seed, offset), without RNG_ON_DEVICE
+    seed_hi,
+    offset_lo,
+    offset_hi,
+    M,  # rows
+    N,  # columns
+    stride_xm,  # x's row stride, elements
+    stride_xn,  # x's column stride, elements (0 for an expanded x)
+    threshold,  # 16-bit drop threshold T
+    scale,  # float32 65536 / (65536 - T)
+    ACTIVATION: tl.constexpr,  # name in backends.triton.activations
+    HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,  # False: no RNG work at all
+    RNG_ON_DEVICE: tl.constexpr,  # (seed, offset) in the RNG tensor, else in the four int32 words
+    GROUPED: tl.constexpr,  # N % 8 == 0
+    WIDE: tl.constexpr,  # column offsets need 64 bits
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # a multiple of 8
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
+    groups = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)  # (BN8,)
+    lanes = tl.arange(0, 8)
+    cols = groups[:, None] * 8 + lanes[None, :]  # (BN8, 8)
+    if WIDE:
+        cols = cols.to(tl.int64)
+    col_mask = cols < N
+    mask = (rows < M)[:, None, None] & col_mask[None, :, :]
+    x_ptrs = X + (rows.to(tl.int64) * stride_xm)[:, None, None] + (cols * stride_xn)[None, :, :]
+    z = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)  # (BM, BN8, 8)
+    if HAS_BIAS:  # loaded in x's tile shape (rows share addresses): x's layout, no shared-memory shuffle
+        b_ptrs = tl.broadcast_to(B + cols[None, :, :], (BLOCK_M, BLOCK_N // 8, 8))
+        z += tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
+    y = apply(z, ACTIVATION)
+    if DROPOUT:
+        seed, offset = seed_offset(RNG, seed_lo, seed_hi, offset_lo, offset_hi, RNG_ON_DEVICE)
+        keep = keep_mask(seed, offset, rows, groups, lanes, N, threshold, GROUPED)
+        # y * keep * scale as F.dropout: a dropped NaN or inf gives NaN (a select of y would give 0);
+        # the same select + multiply as selecting y, and the mask first, so a dropped 3e38 gives 0
+        y = y * tl.where(keep, scale, 0.0)
+    y_ptrs = Y + (rows.to(tl.int64) * N)[:, None, None] + cols[None, :, :]
+    tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(
+    do_not_specialize=["M", "rows_per_program", "threshold", "seed_lo", "seed_hi", "offset_lo", "offset_hi"]
+)
+def _backward_kernel(
+    GY,  # upstream gradient, (M, N) with strides (stride_gm, stride_gn), possibly 0
+    X,  # forward input, (M, N) with strides (stride_xm, stride_xn)
+    B,  # bias, (N,); unused without HAS_BIAS
+    GX,  # grad_x, (M, N) contiguous, x's dtype; unused without NEED_X
+    GB,  # (row programs, N) float32 partial bias gradients, or (N,) grad_bias when one row program
+    RNG,  # int64 [seed, offset] with RNG_ON_DEVICE; unused without DROPOUT
+    seed_lo,  # int32 words of a host (seed, offset), without RNG_ON_DEVICE
+    seed_hi,
+    offset_lo,
+    offset_hi,
+    M,  # rows
+    N,  # columns
+    rows_per_program,  # a multiple of BLOCK_M
+    stride_gm,
+    stride_gn,
+    stride_xm,
+    stride_xn,
+    threshold,  # 16-bit drop threshold T
+    scale,  # float32 65536 / (65536 - T)
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    RNG_ON_DEVICE: tl.constexpr,
+    GROUPED: tl.constexpr,
+    WIDE: tl.constexpr,
+    NEED_X: tl.constexpr,  # write grad_x
+    NEED_BIAS: tl.constexpr,  # write the bias gradient (partial sums over this program's rows)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    groups = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    lanes = tl.arange(0, 8)
+    cols = groups[:, None] * 8 + lanes[None, :]  # (BN8, 8)
+    if WIDE:
+        cols = cols.to(tl.int64)
+    col_mask = cols < N
+    if HAS_BIAS:
+        bias = tl.load(B + cols[None, :, :], mask=col_mask[None, :, :], other=0.0).to(tl.float32)
+    if DROPOUT:  # loaded once: inside the loop they could alias the stores and be reloaded
+        seed, offset = seed_offset(RNG, seed_lo, seed_hi, offset_lo, offset_hi, RNG_ON_DEVICE)
+    acc = tl.zeros((BLOCK_M, BLOCK_N // 8, 8), tl.float32)
+    first_row = tl.program_id(0) * rows_per_program
+    for start in range(0, rows_per_program, BLOCK_M):
+        rows = first_row + start + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None, None] & col_mask[None, :, :]
+        rows64 = rows.to(tl.int64)
+        gy = tl.load(
+            GY + (rows64 * stride_gm)[:, None, None] + (cols * stride_gn)[None, :, :], mask=mask, other=0.0
+        ).to(tl.float32)
+        z = tl.load(
+            X + (rows64 * stride_xm)[:, None, None] + (cols * stride_xn)[None, :, :], mask=mask, other=0.0
+        ).to(tl.float32)
+        if HAS_BIAS:
+            z += bias
+        if DROPOUT:
+            keep = keep_mask(seed, offset, rows, groups, lanes, N, threshold, GROUPED)
+            gy = gy * tl.where(keep, scale, 0.0)  # F.dropout's backward: grad * mask * scale
+        gz = grad(gy, z, ACTIVATION)  # masked-out rows give 0: gy and z are 0 there
+        if NEED_X:
+            tl.store(
+                GX + (rows64 * N)[:, None, None] + cols[None, :, :], gz.to(GX.dtype.element_ty), mask=mask
+            )
+        if NEED_BIAS:
+            acc += gz
+    if NEED_BIAS:
+        partial = tl.sum(acc, axis=0)  # (BN8, 8), rows summed in a fixed order: deterministic
+        row_offset = tl.program_id(0).to(tl.int64) * N
+        tl.store(GB + row_offset + cols, partial.to(GB.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _bias_grad_kernel(
+    P,  # (R, N) float32 partial bias gradients, contiguous
+    GB,  # (N,) grad_bias, bias's dtype
+    R,  # row programs that wrote partials
+    N,  # columns
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
+    for start in range(0, R, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        mask = (rows < R)[:, None] & (cols < N)[None, :]
+        acc += tl.load(P + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(GB + cols, tl.sum(acc, axis=0).to(GB.dtype.element_ty), mask=cols < N)
+
+
+# ----------------------------------------------------------------------------- the 16-bit rows kernel
+# The forward with dropout past decode sizes: one row per loop step, x and the bias read as 32-bit
+# words (two elements each). Same math and mask as _forward_kernel, bit for bit.
+
+
+@triton.jit
+def _widen(words, DTYPE: tl.constexpr):
+    """(even, odd) float32 elements of 32-bit words holding two 16-bit ones (little-endian: the even
+    element is the low half). bfloat16 widens by bit moves alone (one shift, one AND); float16
+    needs a conversion each."""
+    if DTYPE == tl.bfloat16:
+        even = (words << 16).to(tl.float32, bitcast=True)
+        odd = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        tl.static_assert(DTYPE == tl.float16, "the rows kernel reads bfloat16 or float16")
+        even = (words & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        odd = (words >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return even, odd
+
+
+@triton.jit(do_not_specialize=["M", "threshold", "seed_lo", "seed_hi", "offset_lo", "offset_hi"])
+def _forward_rows_kernel(
+    X,  # input, (M, N) 16-bit, unit column stride, even row stride, 4-byte aligned
+    B,  # bias, (N,), 4-byte aligned; unused without HAS_BIAS
+    Y,  # output, (M, N) contiguous
+    RNG,  # int64 [seed, offset] with RNG_ON_DEVICE
+    seed_lo,  # int32 words of a host (seed, offset), without RNG_ON_DEVICE
+    seed_hi,
+    offset_lo,
+    offset_hi,
+    M,  # rows
+    N,  # columns, a multiple of 8
+    stride_xm,  # x's row stride, elements, even
+    threshold,  # 16-bit drop threshold T
+    scale,  # float32 65536 / (65536 - T)
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RNG_ON_DEVICE: tl.constexpr,
+    EVEN: tl.constexpr,  # M % ROWS == 0 and N % BLOCK_N == 0: no masks
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,  # rows a program, one (BLOCK_N // 8, 8) step at a time
+):
+    """The 16-bit forward with dropout, one row per loop step: x and the bias are read as 32-bit
+    words (two elements each: the even one widens with one shift, the odd one with one AND), the
+    bias is widened once per program, and the row, its first counter and the no-carry test are
+    scalars. 27.6 sm_90 instructions an element against the tiled kernel's 29.4 (triton 3.9 ptxas),
+    1.12x a copy's time against 1.31x (H200, 65536 x 4096 bf16 gelu p = 0.1); y is bit-identical."""
+    g0 = tl.program_id(1) * (BLOCK_N // 8)
+    groups = g0 + tl.arange(0, BLOCK_N // 8)  # (BN8,)
+    words = groups[:, None] * 4 + tl.arange(0, 4)[None, :]  # (BN8, 4) word columns
+    word_mask = words < N // 2
+    if HAS_BIAS:
+        Bw = B.to(tl.pointer_type(tl.uint32))
+        if EVEN:
+            bias = tl.load(Bw + words)
+        else:
+            bias = tl.load(Bw + words, mask=word_mask, other=0)
+        b_even, b_odd = _widen(bias, X.dtype.element_ty)
+    Xw = X.to(tl.pointer_type(tl.uint32))
+    seed, offset = seed_offset(RNG, seed_lo, seed_hi, offset_lo, offset_hi, RNG_ON_DEVICE)
+    t = tl.arange(0, BLOCK_N // 8).to(tl.uint32)
+    out_cols = groups[:, None] * 8 + tl.arange(0, 8)[None, :]  # (BN8, 8)
+    for i in range(ROWS):
+        row = tl.program_id(0) * ROWS + i
+        x_ptrs = Xw + row.to(tl.int64) * (stride_xm // 2) + words
+        if EVEN:
+            x = tl.load(x_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=word_mask & ((words * 0 + row) < M), other=0)
+        z_even, z_odd = _widen(x, X.dtype.element_ty)
+        if HAS_BIAS:
+            z_even += b_even
+            z_odd += b_odd
+        row_base = offset + row.to(tl.int64) * (N // 8) + g0  # the row step's first counter
+        keep_even, keep_odd = row_keep_mask(seed, row_base, t, threshold, BLOCK_N // 8)
+        # y * keep * scale as F.dropout (a dropped NaN or inf gives NaN), as in _forward_kernel
+        y_even = apply(z_even, ACTIVATION) * tl.where(keep_even, scale, 0.0)
+        y_odd = apply(z_odd, ACTIVATION) * tl.where(keep_odd, scale, 0.0)
+        y = tl.reshape(tl.join(y_even, y_odd), (BLOCK_N // 8, 8))
+        y_ptrs = Y + row.to(tl.int64) * N + out_cols
+        if EVEN:
+            tl.store(y_ptrs, y.to(Y.dtype.element_ty))
+        else:
+            tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=(out_cols < N) & ((out_cols * 0 + row) < M))
+
+
+# ----------------------------------------------------------------------------- launch settings
+
 # Forward: 4 x 1024 bf16 tiles (32 elements a thread, 4 warps) ran bias+gelu at 1.03x a copy's time on
-# H200 (issue 3 feasibility kernel). float32 takes 16 a thread, the same 64 bytes: at 32 the dropout
+# H200. float32 takes 16 a thread, the same 64 bytes: at 32 the dropout
 # kernel needed 120-136 registers (sm_90 SASS, triton 3.6 / 3.9) against 48. Backward keeps 8 a
 # thread: with the bias-gradient accumulator and the bias in registers, 32 needed 96-223 registers.
 FORWARD_BYTES_PER_THREAD, FORWARD_WARPS = 64, 4
 BACKWARD_PER_THREAD, BACKWARD_WARPS = 8, 8
 MAX_BLOCK_N = 1024
-# 16-bit dtypes, measured by benchmarks/probes/sweep_bias_act_dropout.py (H200, 2026-11-30, bf16 gelu,
-# 65536 x 4096 and 16384 x 14336, time / one copy): forward with dropout 64 B a thread, 4 warps and
-# rows up to 2048 wide: 1.31x (1.38x at 1024 wide); without dropout 32 B a thread: 1.04-1.06x (1.17x);
-# backward without dropout 16 elements a thread, 4 warps: 1.70-1.77x (1.78-1.82x). (bytes or elements
-# a thread, warps, widest BLOCK_N) by (backward, dropout):
+# 16-bit dtypes, from a sweep of 18 forward and 15 backward settings (H200, 2026-11-30, bf16 gelu,
+# 65536 x 4096 and 16384 x 14336, time / one copy; benchmarks/PERF.md): forward with dropout 64 B a
+# thread, 4 warps and rows up to 2048 wide: 1.31x (1.38x at 1024 wide); without dropout 32 B a thread:
+# 1.04-1.06x (1.17x); backward without dropout 16 elements a thread, 4 warps: 1.70-1.77x (1.78-1.82x).
+# (bytes or elements a thread, warps, widest BLOCK_N) by (backward, dropout):
 HALF_SETTINGS = {
     (False, True): (64, 4, 2048),
     (False, False): (32, 4, 2048),
     (True, True): (8, 8, MAX_BLOCK_N),
     (True, False): (16, 4, MAX_BLOCK_N),
 }
-# bf16 forward with dropout, rows kernel (benchmarks/probes/fwd_variants.py, H200 2026-11-30): 16
-# elements a thread, rows up to 2048 wide, 8 rows a program: 1.12-1.14x a copy vs the tile's 1.31-1.33x
+# bf16 forward with dropout, rows kernel (H200 2026-11-30, benchmarks/PERF.md): 16 elements a thread,
+# rows up to 2048 wide, 8 rows a program: 1.12-1.14x a copy vs the tile's 1.31-1.33x
 ROWS_KERNEL_ROWS, ROWS_KERNEL_MAX_N, ROWS_KERNEL_PER_THREAD = 8, 2048, 16
 # float16 takes it too (each half widens with a conversion instead of a bit move): with gelu and p =
 # 0.1, 1.147x / 1.172x a copy at 65536x4096 / 16384x14336 against the tile kernel's 1.264x / 1.287x,
-# y bit for bit the tile's (benchmarks/probes/probe_fp16_rows.py, H200, session 8)
+# y bit for bit the tile's (H200, benchmarks/PERF.md)
 ROWS_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 DECODE_ROWS = 64  # M up to this: one tile holds every row (one launch forward, one backward)
 DECODE_TILE = 4096
@@ -55,10 +304,6 @@ DECODE_TILE = 4096
 MAX_ROWS_PER_PROGRAM = 64
 MIN_PROGRAMS_PER_SM = 4
 _INT32_LIMIT = 2**31
-_FORWARD = Launcher(_forward_kernel, tensors=4)
-_FORWARD_ROWS = Launcher(_forward_rows_kernel, tensors=4)
-_BACKWARD = Launcher(_backward_kernel, tensors=6)
-_BIAS_GRAD = Launcher(_bias_grad_kernel, tensors=2)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -131,6 +376,14 @@ def _wide(n: int, *col_strides: int) -> bool:
     return (n - 1) * max(col_strides) >= _INT32_LIMIT
 
 
+# ----------------------------------------------------------------------------- launchers
+
+_FORWARD = Launcher(_forward_kernel, tensors=4)
+_FORWARD_ROWS = Launcher(_forward_rows_kernel, tensors=4)
+_BACKWARD = Launcher(_backward_kernel, tensors=6)
+_BIAS_GRAD = Launcher(_bias_grad_kernel, tensors=2)
+
+
 def _check(x: Tensor, bias: Optional[Tensor]) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be a 2-D (M, N) tensor, got shape {tuple(x.shape)}")
@@ -197,15 +450,15 @@ def _forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: 
         _FORWARD_ROWS(
             (_cdiv(m, ROWS_KERNEL_ROWS), _cdiv(n, block_n)),
             (x, x if bias is None else bias, y, rng_t, s0, s1, o0, o1, m, n, x.stride(0), threshold, scale),
-            (
-                activation,  # ACTIVATION
-                bias is not None,  # HAS_BIAS
-                on_device,  # RNG_ON_DEVICE
-                m % ROWS_KERNEL_ROWS == 0 and n % block_n == 0,  # EVEN
-                block_n,
-                ROWS_KERNEL_ROWS,
+            dict(
+                ACTIVATION=activation,
+                HAS_BIAS=bias is not None,
+                RNG_ON_DEVICE=on_device,
+                EVEN=m % ROWS_KERNEL_ROWS == 0 and n % block_n == 0,
+                BLOCK_N=block_n,
+                ROWS=ROWS_KERNEL_ROWS,
             ),
-            max(1, min(4, block_n // (32 * ROWS_KERNEL_PER_THREAD))),
+            num_warps=max(1, min(4, block_n // (32 * ROWS_KERNEL_PER_THREAD))),
         )
         return y
     cfg = config(m, n, x.element_size(), dropout=rng is not None)
@@ -215,17 +468,17 @@ def _forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: 
             x, x if bias is None else bias, y, rng_t, s0, s1, o0, o1,
             m, n, x.stride(0), x.stride(1), threshold, scale,
         ),  # fmt: skip
-        (
-            activation,  # ACTIVATION
-            bias is not None,  # HAS_BIAS
-            rng is not None,  # DROPOUT
-            on_device,  # RNG_ON_DEVICE
-            n % 8 == 0,  # GROUPED
-            _wide(n, x.stride(1)),  # WIDE
-            cfg.block_m,
-            cfg.block_n,
+        dict(
+            ACTIVATION=activation,
+            HAS_BIAS=bias is not None,
+            DROPOUT=rng is not None,
+            RNG_ON_DEVICE=on_device,
+            GROUPED=n % 8 == 0,
+            WIDE=_wide(n, x.stride(1)),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
         ),
-        cfg.num_warps,
+        num_warps=cfg.num_warps,
     )
     return y
 
@@ -289,27 +542,29 @@ def _backward(
             rng_t, s0, s1, o0, o1,
             m, n, rows_per_program, sgy[0], sgy[1], sx[0], sx[1], threshold, scale,
         ),  # fmt: skip
-        (
-            activation,  # ACTIVATION
-            bias is not None,  # HAS_BIAS
-            rng is not None,  # DROPOUT
-            on_device,  # RNG_ON_DEVICE
-            n % 8 == 0,  # GROUPED
-            _wide(n, sx[1], sgy[1]),  # WIDE
-            need_x,  # NEED_X
-            need_bias,  # NEED_BIAS
-            cfg.block_m,
-            cfg.block_n,
+        dict(
+            ACTIVATION=activation,
+            HAS_BIAS=bias is not None,
+            DROPOUT=rng is not None,
+            RNG_ON_DEVICE=on_device,
+            GROUPED=n % 8 == 0,
+            WIDE=_wide(n, sx[1], sgy[1]),
+            NEED_X=need_x,
+            NEED_BIAS=need_bias,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
         ),
-        cfg.num_warps,
+        num_warps=cfg.num_warps,
     )
     if partials is not None:  # 32 columns (128 B rows) a program: N / 32 programs stream the partials
-        _BIAS_GRAD((_cdiv(n, 32),), (partials, grad_bias, row_programs, n), (64, 32), 4)
+        _BIAS_GRAD(
+            (_cdiv(n, 32),), (partials, grad_bias, row_programs, n), dict(BLOCK_R=64, BLOCK_N=32), num_warps=4
+        )
     return grad_x, grad_bias
 
 
 # The contract's functions without this module's own argument checks, for the dispatcher, which has
 # validated the call already (dispatch.registry.trusted). The checks cost ~1.2-1.7 us of host time a
 # call hot and over twice that right after other torch work, the same as the dispatcher's own
-# (benchmarks/NOTES.md, session 11).
+# (benchmarks/PERF.md).
 trusted = SimpleNamespace(forward=_forward, backward=_backward)

@@ -1,20 +1,21 @@
-"""C = A @ B in Triton with fused_linear's epilogues, and the rule that picks each launch's tiles.
+"""C = act(A @ B + bias) in Triton: fused_linear's product for calls without autograd (``infer``),
+and the rule that picks each launch's tiles.
 
-A (M, K) and B (K, N) are views with any strides (x, W^T, grad_pre^T); C is a new row-major (M, N)
-tensor; products accumulate in float32. One epilogue, chosen by a constexpr, serves three uses:
-
-    "forward"  z = acc + b;  PRE <- z (kept for backward);  C <- act(z)
-    "grad"     z = acc + b;  C <- grad_y * act'(z);  COLSUM <- column sums of C per row tile
-    "plain"    C <- acc                                  (grad_x = grad_pre @ W, grad_W = grad_pre^T @ x)
+A (M, K) and B (K, N) are views with any strides (x and W^T); C is a new row-major (M, N) tensor;
+products accumulate in float32. The epilogue adds the bias (when given) and applies the activation,
+so the product is written once, as C. (Training calls run their products on cuBLAS: see
+``fused_linear.py``.)
 
 Two main loops feed it ("variants"):
 
     "pointer"   one program per output tile, grouped tile order, strided tl.load (cp.async feeding
-                wgmma on sm_90); any strides, every dtype, and Triton's CPU interpreter. The default.
+                wgmma on sm_90); any strides, every dtype, and Triton's CPU interpreter.
     "tma"       persistent: one program per SM slot walks tiles in the same order; operands come
                 through host TensorDescriptors (TMA). 16-bit dtypes, one unit stride per operand,
-                16-byte aligned; anything else falls back to "pointer". "tma_flat" also flattens the
-                tile and K loops so the next tile's loads overlap this tile's epilogue.
+                16-byte aligned; anything else falls back to "pointer". The default on sm_90.
+
+Both store C with masked pointer stores. The kernels, tile configs, ``plan`` and ``launch`` live here;
+fused_linear's ``launch_forward`` (``fused_linear.py``) calls ``launch``.
 
 Tiles come from a fixed table and a wave-quantisation rule (``pick_config``), so a new token count
 never triggers autotuning. float32 follows ``torch.backends.cuda.matmul.allow_tf32`` like F.linear:
@@ -33,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dispatch.backends.triton.activations import apply, grad
+from dispatch.backends.triton.activations import apply
 from dispatch.backends.triton.launch import Launcher
 
 try:
@@ -54,45 +55,22 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _store(DST, tile, off_m, off_n, offs, mask, STORE_TMA: tl.constexpr):
-    """Rounds ``tile`` to DST's dtype and writes it at (off_m, off_n): through a tensor descriptor
-    (TMA; rows and columns past the edges are dropped by the hardware) or masked pointer stores.
-    Returns the rounded tile."""
-    if STORE_TMA:
-        rounded = tile.to(DST.dtype)
-        DST.store([off_m, off_n], rounded)
-    else:
-        rounded = tile.to(DST.dtype.element_ty)
-        tl.store(DST + offs, rounded, mask=mask)
-    return rounded
-
-
-@triton.jit
 def _epilogue(
     acc,  # (BLOCK_M, BLOCK_N) float32 tile of A @ B
     off_m,  # its first row in C
     off_n,  # its first column in C
-    row_tile,  # index of the row tile it belongs to (COLSUM's row)
     M,  # rows of C
     N,  # columns of C
     C,  # (M, N) output
     BIAS,  # (N,) bias (read when HAS_BIAS)
-    PRE,  # (M, N) pre-activation output, C's strides (written when SAVE_PRE)
-    GRAD_Y,  # (M, N) upstream gradient, any strides (read by the "grad" epilogue)
-    COLSUM,  # (cdiv(M, BLOCK_M), N) float32 column sums of C per row tile (written when HAS_COLSUM)
-    stride_cm,  # C and PRE row stride
-    stride_gm,  # GRAD_Y row stride
-    stride_gn,  # GRAD_Y column stride
+    stride_cm,  # C row stride
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # this epilogue's columns: the tile's, or half of them (EPILOGUE_SPLIT)
-    EPILOGUE: tl.constexpr,  # "forward", "grad" or "plain"
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    SAVE_PRE: tl.constexpr,
-    HAS_COLSUM: tl.constexpr,
     INDEX_64: tl.constexpr,  # some tensor has >= 2**31 elements: 64-bit offsets
-    STORE_TMA: tl.constexpr,  # C and PRE are tensor descriptors: stores through TMA
 ):
+    """C[tile] <- act(acc + b), rounded to C's dtype."""
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     if INDEX_64:
@@ -101,23 +79,8 @@ def _epilogue(
     mask = (offs_m < M)[:, None] & in_n[None, :]
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
-    c_offs = offs_m[:, None] * stride_cm + offs_n[None, :]
-    if EPILOGUE == "forward":
-        if SAVE_PRE:
-            _store(PRE, acc, off_m, off_n, c_offs, mask, STORE_TMA)
-        out = apply(acc, ACTIVATION)
-    elif EPILOGUE == "grad":
-        g_offs = offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn
-        grad_y = tl.load(GRAD_Y + g_offs, mask=mask, other=0.0).to(tl.float32)
-        out = grad(grad_y, acc, ACTIVATION)  # PyTorch's NaN/inf rules: relu's backward selects
-    else:
-        tl.static_assert(EPILOGUE == "plain", "unknown epilogue")
-        out = acc
-    out = _store(C, out, off_m, off_n, c_offs, mask, STORE_TMA)
-    if HAS_COLSUM:
-        # sums of the rounded values, the ones grad_x and grad_W consume; rows past M hold zeros
-        tile_sum = tl.sum(tl.where(mask, out.to(tl.float32), 0.0), axis=0)
-        tl.store(COLSUM + row_tile * N + offs_n, tile_sum, mask=in_n)
+    out = apply(acc, ACTIVATION).to(C.dtype.element_ty)
+    tl.store(C + offs_m[:, None] * stride_cm + offs_n[None, :], out, mask=mask)
 
 
 @triton.jit
@@ -126,9 +89,6 @@ def _matmul_kernel(
     B,  # (K, N) operand, any strides
     C,  # (M, N) output, row-major
     BIAS,  # (N,) bias, or any tensor when HAS_BIAS is False
-    PRE,  # (M, N) pre-activation output, row-major
-    GRAD_Y,  # (M, N) upstream gradient, any strides
-    COLSUM,  # (cdiv(M, BLOCK_M), N) float32 per-tile column sums
     M,  # rows of A and C
     N,  # columns of B and C
     K,  # reduction length
@@ -136,19 +96,14 @@ def _matmul_kernel(
     stride_ak,
     stride_bk,  # B strides
     stride_bn,
-    stride_cm,  # C (and PRE) row stride
-    stride_gm,  # GRAD_Y strides
-    stride_gn,
+    stride_cm,  # C row stride
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask in the main loop
-    EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    SAVE_PRE: tl.constexpr,
-    HAS_COLSUM: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,  # tl.dot's: "ieee" or "tf32" (float32 only; ignored for 16-bit)
     INDEX_64: tl.constexpr,
     DOT_FP32: tl.constexpr,  # CPU interpreter + bfloat16: its tl.dot multiplies the raw bits, upcast
@@ -180,47 +135,21 @@ def _matmul_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     _epilogue(
-        acc,
-        pid_m * BLOCK_M,
-        pid_n * BLOCK_N,
-        pid_m,
-        M,
-        N,
-        C,
-        BIAS,
-        PRE,
-        GRAD_Y,
-        COLSUM,
-        stride_cm,
-        stride_gm,
-        stride_gn,
-        BLOCK_M,
-        BLOCK_N,
-        EPILOGUE,
-        ACTIVATION,
-        HAS_BIAS,
-        SAVE_PRE,
-        HAS_COLSUM,
-        INDEX_64,
-        False,  # STORE_TMA
-    )
+        acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, C, BIAS, stride_cm, BLOCK_M, BLOCK_N, ACTIVATION,
+        HAS_BIAS, INDEX_64,
+    )  # fmt: skip
 
 
 @triton.jit
 def _matmul_tma_kernel(
     A_DESC,  # descriptor over A (M, K) when A_KMAJOR, else over A^T (K, M)
     B_DESC,  # descriptor over B^T (N, K) when B_KMAJOR, else over B (K, N)
-    C,  # (M, N) output, row-major; a descriptor over it when STORE_TMA
-    PRE,  # (M, N) pre-activation output, row-major; a descriptor over it when STORE_TMA
-    BIAS,  # (N,) bias
-    GRAD_Y,  # (M, N) upstream gradient, any strides
-    COLSUM,  # (cdiv(M, BLOCK_M), N) float32 per-tile column sums
+    C,  # (M, N) output, row-major
+    BIAS,  # (N,) bias, or any tensor when HAS_BIAS is False
     M,  # rows of C
     N,  # columns of C
     K,  # reduction length
-    stride_cm,  # C (and PRE) row stride
-    stride_gm,  # GRAD_Y strides
-    stride_gn,
+    stride_cm,  # C row stride
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -228,16 +157,11 @@ def _matmul_tma_kernel(
     NUM_PROGRAMS: tl.constexpr,  # persistent programs: SMs x CTAs per SM (fixed per device)
     A_KMAJOR: tl.constexpr,
     B_KMAJOR: tl.constexpr,
-    FLATTEN: tl.constexpr,  # let the pipeliner overlap the next tile's loads with this epilogue
-    EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    SAVE_PRE: tl.constexpr,
-    HAS_COLSUM: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    STORE_TMA: tl.constexpr,  # the epilogue stores C (and PRE) through descriptors ("tma_store")
     WARP_SPECIALIZE: tl.constexpr,  # tl.range's warp specialization of the tile loop (Config)
     EPILOGUE_SPLIT: tl.constexpr,  # 1, or 2: the epilogue runs on each half of the tile's columns
 ):
@@ -247,9 +171,7 @@ def _matmul_tma_kernel(
     start = tl.program_id(0)
     # the epilogue keeps its own tile counter so that it does not depend on the loop's (tutorial 09)
     tile_c = start - NUM_PROGRAMS
-    for tile_id in tl.range(
-        start, num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
-    ):
+    for tile_id in tl.range(start, num_pid_m * num_pid_n, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -274,21 +196,18 @@ def _matmul_tma_kernel(
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             acc_lo, acc_hi = tl.split(halves)
             _epilogue(
-                acc_lo, pid_m * BLOCK_M, pid_n * BLOCK_N, pid_m, M, N, C, BIAS, PRE, GRAD_Y, COLSUM,
-                stride_cm, stride_gm, stride_gn, BLOCK_M, BLOCK_N // 2, EPILOGUE, ACTIVATION, HAS_BIAS,
-                SAVE_PRE, HAS_COLSUM, INDEX_64, STORE_TMA,
+                acc_lo, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, C, BIAS, stride_cm, BLOCK_M, BLOCK_N // 2,
+                ACTIVATION, HAS_BIAS, INDEX_64,
             )  # fmt: skip
             _epilogue(
-                acc_hi, pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2, pid_m, M, N, C, BIAS, PRE, GRAD_Y,
-                COLSUM, stride_cm, stride_gm, stride_gn, BLOCK_M, BLOCK_N // 2, EPILOGUE, ACTIVATION,
-                HAS_BIAS, SAVE_PRE, HAS_COLSUM, INDEX_64, STORE_TMA,
+                acc_hi, pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2, M, N, C, BIAS, stride_cm, BLOCK_M,
+                BLOCK_N // 2, ACTIVATION, HAS_BIAS, INDEX_64,
             )  # fmt: skip
         else:
             tl.static_assert(EPILOGUE_SPLIT == 1, "EPILOGUE_SPLIT is 1 or 2")
             _epilogue(
-                acc, pid_m * BLOCK_M, pid_n * BLOCK_N, pid_m, M, N, C, BIAS, PRE, GRAD_Y, COLSUM,
-                stride_cm, stride_gm, stride_gn, BLOCK_M, BLOCK_N, EPILOGUE, ACTIVATION, HAS_BIAS,
-                SAVE_PRE, HAS_COLSUM, INDEX_64, STORE_TMA,
+                acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, C, BIAS, stride_cm, BLOCK_M, BLOCK_N,
+                ACTIVATION, HAS_BIAS, INDEX_64,
             )  # fmt: skip
 
 
@@ -307,8 +226,8 @@ class Config:
     ctas_per_sm: int = 1  # resident programs per SM (shared memory allows)
     efficiency: float = 1.0  # throughput of a full SM relative to the largest tile (a guess until benched)
     group_m: int = 8
-    warp_specialize: bool = False  # TMA variants: tl.range(warp_specialize=True) over the tiles
-    epilogue_split: int = 1  # TMA variants: 2 runs the epilogue on each half of the tile's columns
+    warp_specialize: bool = False  # "tma": tl.range(warp_specialize=True) over the tiles
+    epilogue_split: int = 1  # "tma": 2 runs the epilogue on each half of the tile's columns
 
     def __str__(self) -> str:
         extra = f"/c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else ""
@@ -319,9 +238,10 @@ class Config:
 
 # 16-bit, sm_80/sm_90. Shared memory = stages * (BM + BN) * BK * 2 bytes: 144 KiB, 128 KiB, 96 KiB.
 # 128x256x64/8 warps/3 stages is the Triton tutorials' Hopper config (two warpgroups of 64x256 wgmma).
-# Compiled for sm_90 ahead of time (triton 3.9, 2026-11-30): every entry and epilogue pipelines cp.async
-# into async wgmma (one group in flight), no spills in the main loop; 128x256's forward epilogue spills
-# 80 bytes (255 registers), its TMA twin 4 bytes.
+# Compiled for sm_90 ahead of time (triton 3.9, 2026-11-30): every entry pipelines cp.async into async
+# wgmma (one group in flight), no spills in the main loop; 128x256's epilogue spilled 80 bytes (255
+# registers), its TMA twin 4 bytes, in the build whose epilogue could also store the pre-activation
+# (not re-measured since).
 CONFIGS_16 = (
     Config(128, 256, 64, num_warps=8, num_stages=3, efficiency=1.0),
     Config(128, 128, 64, num_warps=8, num_stages=4, efficiency=0.93),
@@ -386,9 +306,10 @@ def best_config(M: int, N: int, table: tuple[Config, ...], sms: int) -> Config:
 
 # ----------------------------------------------------------------------------- variants
 
-VARIANTS = ("pointer", "tma", "tma_flat", "tma_store")
-# H200 2026-11-30 (bench_fused_linear --variants, bf16, M=8192): tma 1.09 ms vs pointer 1.57 vs
-# tma_flat 1.14 (llama-2-7b up, torch.mm 1.04); tma 1.39 vs 1.95 vs 1.73 (mistral-7b down, mm 1.34)
+VARIANTS = ("pointer", "tma")
+# H200 2026-11-30 (bf16 gelu_tanh, M=8192, benchmarks/PERF.md): tma 1.09 ms vs pointer 1.57 (llama-2-7b
+# up, torch.mm 1.04); tma 1.39 vs 1.95 (mistral-7b down, mm 1.34). Flattening the tile and K loops
+# loses (1.14, 1.73); TMA stores in the epilogue are mixed (-13% to +6% by shape): neither is built.
 DEFAULT_VARIANT = "tma"
 
 
@@ -449,11 +370,11 @@ def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
 
 # ----------------------------------------------------------------------------- launchers
 
-# compiled kernels reused without kernel[grid]'s ~20 us (triton 3.6) of binding per call; a TMA matmul
-# paid that plus two descriptors' specialization, ~125 us of host time a launch on session 6's host
-_POINTER = Launcher(_matmul_kernel, tensors=7)
-_TMA = Launcher(_matmul_tma_kernel, tensors=5, descriptors=2)
-_TMA_STORE = Launcher(_matmul_tma_kernel, tensors=3, descriptors=4)  # C and PRE as descriptors too
+# compiled kernels reused without kernel[grid]'s ~15-25 us (triton 3.6) of binding per call; a TMA
+# matmul paid that plus two descriptors' specialization: one launch 124.6 -> 47.3 us of host time at
+# 1 x 3072 x 768 (H200 host, benchmarks/PERF.md)
+_POINTER = Launcher(_matmul_kernel, tensors=4)
+_TMA = Launcher(_matmul_tma_kernel, tensors=2, descriptors=2)
 
 
 _PLANS: dict = {}  # plan()'s results by what they depend on: a new token count costs one miss
@@ -463,8 +384,8 @@ _PLANS_LIMIT = 4096
 def plan(a: Tensor, b: Tensor) -> tuple[Config, str, tuple[Optional[bool], Optional[bool]]]:
     """(config, variant that will run, (A K-major?, B K-major?)) for C = a @ b: the chosen variant
     unless the operands rule TMA out (dtype, device, K == 0, no aligned unit stride). Cached by the
-    operands' shapes, strides, dtype, device and 16-byte alignment (6-18 us of host time a launch on
-    the H200 host uncached, sessions 6-7), unless ``options`` forces something."""
+    operands' shapes, strides, dtype, device and 16-byte alignment (uncached 6-18 us of host time a
+    launch on the H200 host, benchmarks/PERF.md), unless ``options`` forces something."""
     if _override.variant is not None or _override.config is not None:
         return _plan(a, b)
     key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, a.data_ptr() % 16, b.data_ptr() % 16)
@@ -494,42 +415,27 @@ def _plan(a: Tensor, b: Tensor) -> tuple[Config, str, tuple[Optional[bool], Opti
 
 
 def launch(
-    a: Tensor,
-    b: Tensor,
-    c: Tensor,
-    *,
-    epilogue: str,
-    activation: str = "identity",
-    bias: Optional[Tensor] = None,
-    pre: Optional[Tensor] = None,
-    grad_y: Optional[Tensor] = None,
-    colsum: bool = False,
-) -> Optional[Tensor]:
-    """c <- epilogue(a @ b): picks the config and variant, launches. a (M, K), b (K, N) any strides;
-    c new row-major (M, N), M, N > 0; pre like c. Returns the float32 column sums of c if asked."""
+    a: Tensor, b: Tensor, c: Tensor, *, activation: str = "identity", bias: Optional[Tensor] = None
+) -> None:
+    """c <- act(a @ b + bias): picks the config and variant, launches. a (M, K), b (K, N) any strides;
+    c new row-major (M, N), M, N > 0; bias (N,) contiguous or None."""
     (M, K), (K_b, N) = a.shape, b.shape
     sa, sb, sc = a.stride(), b.stride(), c.stride()
     assert K_b == K and c.shape == (M, N) and sc[1] == 1, "internal: matmul operand shapes"
-    assert pre is None or pre.stride() == sc
     cfg, variant, layouts = plan(a, b)
-    sums = torch.empty((_cdiv(M, cfg.block_m), N), device=a.device, dtype=torch.float32) if colsum else c
-    g = grad_y if grad_y is not None else c
-    sg = g.stride()
-    index_64 = (
-        max(_extent(a.shape, sa), _extent(b.shape, sb), _extent(c.shape, sc), _extent(g.shape, sg)) >= 2**31
+    index_64 = max(_extent(a.shape, sa), _extent(b.shape, sb), _extent(c.shape, sc)) >= 2**31
+    shared = dict(  # both kernels' constexprs; each adds its own
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        ACTIVATION=activation,
+        HAS_BIAS=bias is not None,
+        INPUT_PRECISION=_input_precision(a.dtype, a.device),
+        INDEX_64=index_64,
+        DOT_FP32=a.dtype == torch.bfloat16 and a.device.type != "cuda",
     )
-    # constexprs after BLOCK_K in each kernel's parameter order (Launcher passes them positionally)
-    tail = (
-        epilogue,
-        activation,
-        bias is not None,
-        pre is not None,
-        colsum,
-        _input_precision(a.dtype, a.device),
-        index_64,
-        a.dtype == torch.bfloat16 and a.device.type != "cuda",  # DOT_FP32
-    )
-    bias_or_c, pre_or_c = (bias if bias is not None else c), (pre if pre is not None else c)
+    bias_or_c = bias if bias is not None else c
     if variant != "pointer":
         a_kmajor, b_kmajor = layouts
         programs = _sm_count(a.device) * cfg.ctas_per_sm
@@ -538,31 +444,27 @@ def launch(
             _descriptor(a, a_kmajor, 1, cfg.block_m, cfg.block_k),
             _descriptor(b, b_kmajor, 0, cfg.block_n, cfg.block_k),
         )
-        outputs = (c, pre_or_c)
-        store_tma = variant == "tma_store" and all(
-            t.data_ptr() % 16 == 0 and (sc[0] * t.element_size()) % 16 == 0 for t in outputs
-        )
-        if store_tma:  # row-major (M, N) outputs with 16-byte aligned rows: TMA writes them
-            block = [cfg.block_m, cfg.block_n // cfg.epilogue_split]
-            c_desc = TensorDescriptor(c, [M, N], [sc[0], 1], block)
-            outputs = (c_desc, c_desc if pre is None else TensorDescriptor(pre, [M, N], [sc[0], 1], block))
-        (_TMA_STORE if store_tma else _TMA)(
+        _TMA(
             (min(programs, tiles),),
-            (*descs, *outputs, bias_or_c, g, sums, M, N, K, sc[0], sg[0], sg[1]),
-            (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, programs, a_kmajor, b_kmajor,
-             variant == "tma_flat", *tail, store_tma, cfg.warp_specialize, cfg.epilogue_split),
-            cfg.num_warps,
-            cfg.num_stages,
-        )  # fmt: skip
+            (*descs, c, bias_or_c, M, N, K, sc[0]),
+            dict(
+                shared,
+                NUM_PROGRAMS=programs,
+                A_KMAJOR=a_kmajor,
+                B_KMAJOR=b_kmajor,
+                WARP_SPECIALIZE=cfg.warp_specialize,
+                EPILOGUE_SPLIT=cfg.epilogue_split,
+            ),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     else:
         grid = (_cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n),)
         a_ptr, b_ptr = (a, b) if K else (c, c)  # K == 0: nothing is read; an empty a may have no address
-        strides = (sa[0], sa[1], sb[0], sb[1], sc[0], sg[0], sg[1])
         _POINTER(
             grid,
-            (a_ptr, b_ptr, c, bias_or_c, pre_or_c, g, sums, M, N, K, *strides),
-            (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, K % cfg.block_k == 0, *tail),
-            cfg.num_warps,
-            cfg.num_stages,
+            (a_ptr, b_ptr, c, bias_or_c, M, N, K, sa[0], sa[1], sb[0], sb[1], sc[0]),
+            dict(shared, EVEN_K=K % cfg.block_k == 0),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
-    return sums.sum(0) if colsum else None  # (N,) fixed-order sum: deterministic
