@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 from tabulate import tabulate
 
-from dispatch import calibrate_bench as bench
+from dispatch.calibrate import measure as bench
 from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.registry import OPS, backends
 

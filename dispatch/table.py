@@ -1,8 +1,9 @@
 """python -m dispatch.table: print the backend-choice tables of a heuristics table.
 
 Rows are token-count buckets M, columns feature sizes (N, or N,K for fused_linear), each cell the
-backend lookup chooses there and its measured speedup over eager. Activations whose cells are all
-equal share one table. ``--gpu`` takes a device slug or name (nvidia-h200, "NVIDIA H200"), or a path.
+backend lookup chooses there and its measured speedup over plain PyTorch (the composite a user
+writes; schema 1 tables, which did not time it, over the eager backend). Activations whose cells are
+all equal share one table. ``--gpu`` takes a device slug or name (nvidia-h200, "NVIDIA H200"), or a path.
 """
 
 from __future__ import annotations
@@ -18,29 +19,45 @@ import torch
 from tabulate import tabulate
 
 from dispatch import heuristics
-from dispatch.calibrate_plan import rank
+from dispatch.calibrate.plan import BASELINE, costs, rank
 from dispatch.registry import Call
 from dispatch.contracts.shapes import TOKENS
 
 LEGEND = (
-    "cell: backend and its speedup over eager measured at that M (~: at the nearest measured M where "
+    "cell: backend and its speedup over {base} measured at that M (~: at the nearest measured M where "
     "that backend was chosen; >: beyond the largest measured M, the last segment continues)"
 )
+HOST_LEGEND = "; h: host-bound there (the host's cost of a call exceeds its GPU time and decided)"
 # a shipped table keeps no raw points (its raw_points file has them): a cell shows its segment's speedup
 SLIM_LEGEND = "; >=: the smallest speedup measured in that segment (this table keeps no raw points)"
 
 
-def _speedup(entry: dict, m: int, backend: str) -> str:
+def _segment_at(entry: dict, m: int) -> dict:
+    segments = entry["segments"]
+    return segments[max(bisect.bisect_right([s["m_from"] for s in segments], m) - 1, 0)]
+
+
+def _speedup(entry: dict, m: int, backend: str, version: int) -> str:
+    """' 1.85x' (schema 2: over plain PyTorch, 'h' where host-bound; schema 1: over eager)."""
     if "points" not in entry:
-        segments = entry["segments"]
-        seg = segments[max(bisect.bisect_right([s["m_from"] for s in segments], m) - 1, 0)]
-        return f" >={seg['speedup']:.2f}x" if seg["backend"] == backend and seg.get("speedup") else ""
-    points = [p for p in entry["points"] if backend in p["ms"] and "eager" in p["ms"]]
-    points = [p for p in points if rank(p["ms"])[0] == backend] or points
+        seg = _segment_at(entry, m)
+        host = "h" if seg.get("clock") == "host" else ""
+        return f" >={seg['speedup']:.2f}x{host}" if seg["backend"] == backend and seg.get("speedup") else ""
+    if version == 1:
+        timed, has_base = (lambda p: p["ms"]), (lambda p: "eager" in p["ms"])
+    else:
+        timed, has_base = costs, (lambda p: BASELINE in p["gpu_us"] and BASELINE in p["host_us"])
+    points = [p for p in entry["points"] if backend in timed(p) and has_base(p)]
+    points = [p for p in points if rank(timed(p))[0] == backend] or points
     if not points:
         return ""
     near = min(points, key=lambda p: abs(math.log(p["m"] / m)))
-    return f" {'' if near['m'] == m else '~'}{near['ms']['eager'] / near['ms'][backend]:.2f}x"
+    near_mark = "" if near["m"] == m else "~"
+    if version == 1:
+        return f" {near_mark}{near['ms']['eager'] / near['ms'][backend]:.2f}x"
+    base_cost = max(near["gpu_us"][BASELINE], near["host_us"][BASELINE])
+    host = "h" if near["host_us"][backend] > near["gpu_us"][backend] else ""
+    return f" {near_mark}{base_cost / costs(near)[backend]:.2f}x{host}"
 
 
 def _grid(table: heuristics.Table, entries: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -60,7 +77,7 @@ def _grid(table: heuristics.Table, entries: list[dict]) -> tuple[list[str], list
                 e["mode"] == "training",
             )
             choice = table.choose(call)
-            row.append(f"{choice.backend}{_speedup(e, m, choice.backend)}" if choice else "-")
+            row.append(f"{choice.backend}{_speedup(e, m, choice.backend, table.version)}" if choice else "-")
         rows.append(row)
     return ["M \\ " + ("N,K" if entries[0]["op"] == "fused_linear" else "N")] + [
         ",".join(map(str, e["features"])) for e in entries
@@ -93,13 +110,21 @@ def render(
             key = repr((headers, rows))
             shared.setdefault(key, ([], headers, rows))[0].append(act)
         for acts, headers, rows in shared.values():
-            measured = sorted({e.get("measured_as", a) for a in acts for e in by_act[a]})
+            measured = sorted(
+                {
+                    e.get("measured_as", a) + (f" {e['measured_dtype']}" if "measured_dtype" in e else "")
+                    for a in acts
+                    for e in by_act[a]
+                }
+            )
             title = f"{fop}  {fdtype}  {fmode}{'  dropout' if fdrop else ''}  activation {', '.join(acts)}"
             out += [f"{title}  (timed as {', '.join(measured)})", tabulate(rows, headers=headers), ""]
     if not families:
         out.append("no entries match these filters")
     slim = any("points" not in e for e in table.data["entries"])
-    return "\n".join(out + [LEGEND + (SLIM_LEGEND if slim else "")] + provenance(table))
+    legend = LEGEND.format(base="eager" if table.version == 1 else "plain PyTorch")
+    legend += (HOST_LEGEND if table.version >= 2 else "") + (SLIM_LEGEND if slim else "")
+    return "\n".join(out + [legend] + provenance(table))
 
 
 def runs_of(settings: dict, date: Optional[str] = None) -> list[dict]:
@@ -136,6 +161,8 @@ def provenance(table: heuristics.Table) -> list[str]:
     stopped = ", stopped by its budget" if s.get("stopped_by_budget") else ""
     versions = f"torch {v.get('torch')}, triton {v.get('triton')}, cuda {v.get('cuda')}"
     rule = f"ties within {s.get('noise', 0):.0%} go to {' > '.join(s.get('preference', []))}"
+    if table.version >= 2:
+        rule = f"the cheapest by max(GPU time, host cost) wins; {rule}"
     lines = [
         f"table: {table.path}",
         device,
@@ -146,11 +173,16 @@ def provenance(table: heuristics.Table) -> list[str]:
         lines.append(f"raw measured points: {table.data['raw_points']['file']}")
     check = table.data.get("self_check") or {}
     if check.get("points"):
+        base = "eager" if table.version == 1 else "pytorch"
         lines.append(
             f"self-check: {check['within_5pct']:.0%} of {check['points']} held-out points within 5% of the "
             f"fastest, worst regret {check['worst_regret'] or 0:+.1%}, "
-            f"worst vs eager {check['worst_vs_eager'] or 0:+.1%}"
-            + (f" ({check['confirmed_points']} missed picks timed again)" if check.get("confirmed_points") else "")
+            f"worst vs {'eager' if base == 'eager' else 'plain PyTorch'} {check[f'worst_vs_{base}'] or 0:+.1%}"
+            + (
+                f" ({check['confirmed_points']} missed picks timed again)"
+                if check.get("confirmed_points")
+                else ""
+            )
         )
     return lines
 

@@ -2,8 +2,16 @@
 
 A table holds, per key (op, dtype, activation, mode, dropout, feature size), the measured crossover
 points along the token count M: segments ``[m_from, backend, runner_up, margin, ...]``, so a call with
-any M is decided by the segment it falls in, never by snapping to the nearest measured M. A feature
-size that was not measured uses the nearest measured one (in log space), and the Choice says so.
+any M is decided by the segment it falls in, never by snapping to the nearest measured M.
+
+Schema 2 (what the calibrator writes now) keeps per segment the two clocks it was decided on: the
+winner's and runner-up's ``gpu_us`` (CUDA-graph time) and ``host_us`` (the host's cost of a call),
+plain PyTorch's (``pytorch_us``), which clock bound the winner (``clock``), the winner by GPU time
+alone (``gpu_backend``) and the speedup over plain PyTorch; the winner is the cheapest by
+max(gpu_us, host_us). A feature size that was not measured is interpolated: between the two nearest
+measured sizes (in log space) whose segments name the same backends in the same order, each crossover
+M is interpolated in log space; otherwise the nearer size decides. Schema 1 tables (one clock, speedups
+over eager) load and answer as before: the nearest measured size decides. The Choice says which.
 
 Where tables come from, first match wins: the user directory (``DISPATCH_HEURISTICS_DIR``, default
 ``~/.cache/fusedispatch/heuristics``), then the shipped ``heuristics/tables/``. A GPU without a table
@@ -37,7 +45,8 @@ import torch
 
 from dispatch.contracts.backend import Call
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # what the calibrator writes
+SCHEMA_VERSIONS = (1, 2)  # what loads
 ENV_DIR = "DISPATCH_HEURISTICS_DIR"
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "tables")
 CALIBRATE_HINT = "python -m dispatch.calibrate --quick"
@@ -58,7 +67,16 @@ class Segment:
     m_from: int  # first token count of this segment; it runs up to the next segment's m_from
     backend: str
     runner_up: Optional[str]
-    margin: Optional[float]  # runner-up time / winner time - 1, the smallest over the segment's points
+    margin: Optional[float]  # runner-up cost / winner cost - 1, the smallest over the segment's points
+    # schema 2: the winner's clocks at the point of that margin (M = m), which one bound it, the winner
+    # by GPU time alone, plain PyTorch's (gpu, host) there and the smallest speedup over it
+    m: Optional[int] = None
+    gpu_us: Optional[float] = None
+    host_us: Optional[float] = None
+    clock: Optional[str] = None
+    gpu_backend: Optional[str] = None
+    pytorch_us: Optional[tuple[float, float]] = None
+    speedup: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +86,7 @@ class Entry:
     starts: tuple[int, ...]  # m_from of each segment, for bisect
     measured_as: str  # the activation whose timings this key shares
     max_m: int  # largest measured M
+    measured_dtype: Optional[str] = None  # the dtype whose timings this key shares, if not its own
 
 
 # ----------------------------------------------------------------------------- devices and places
@@ -250,15 +269,32 @@ def _errors(v: Any, where: str) -> dict:
     return v
 
 
-def _point(p: Any, where: str) -> int:
-    """A raw measured point (its M, each backend's time and error); the M comes back."""
+def _strings(v: Any, where: str) -> list:
+    for i, name in enumerate(_array(v, where)):
+        _string(name, f"{where}[{i}]")
+    return v
+
+
+def _texts(v: Any, where: str) -> dict:
+    for name, text in _object(v, where).items():
+        _string(text, f"{where}.{name}")
+    return v
+
+
+def _point(p: Any, where: str, version: int) -> int:
+    """A raw measured point (its M, each backend's times and error); the M comes back."""
     _object(p, where)
-    for key in ("ms", "first_ms", "confirmed_ms"):  # first timings, and timings taken again
-        _get(p, key, where, _timings, optional=key != "ms")
+    if version == 1:
+        for key in ("ms", "first_ms", "confirmed_ms"):  # first timings, and timings taken again
+            _get(p, key, where, _timings, optional=key != "ms")
+        _get(p, "unchecked", where, _strings, optional=True)
+    else:
+        for key in ("gpu_us", "host_us"):
+            _get(p, key, where, _timings)
+        _get(p, "gpu_clock", where, _texts, optional=True)  # how a GPU time was taken, where not by a graph
+        _get(p, "drained", where, _strings, optional=True)
     _get(p, "err", where, _errors, optional=True)
     _get(p, "rejected", where, _object, optional=True)
-    for i, name in enumerate(_get(p, "unchecked", where, _array, optional=True) or []):
-        _string(name, f"{where}.unchecked[{i}]")
     return _get(p, "m", where, _integer)
 
 
@@ -274,16 +310,32 @@ def _key_fields(e: dict, where: str) -> tuple[tuple, tuple[int, ...]]:
     return _key(op, dtype, activation, mode, dropout), features
 
 
-def _segment(s: Any, where: str) -> Segment:
+CLOCKS = ("gpu", "host")
+
+
+def _segment(s: Any, where: str, version: int) -> Segment:
     _object(s, where)
     m_from = _get(s, "m_from", where, _integer)
     backend = _get(s, "backend", where, _string)
     runner_up = _get(s, "runner_up", where, _string, optional=True, nullable=True)
-    # runner-up time / winner time - 1: below 0 where a preferred backend won a tie within the noise
+    # runner-up / winner - 1: below 0 where a preferred backend won a tie within the noise
     margin = _get(s, "margin", where, _number, -1.0, optional=True, nullable=True)
-    _get(s, "speedup", where, _number, 0.0, optional=True, nullable=True)
+    speedup = _get(s, "speedup", where, _number, 0.0, optional=True, nullable=True)
     _get(s, "errors", where, _errors, optional=True)
-    return Segment(m_from, backend, runner_up, margin)
+    if version == 1:
+        return Segment(m_from, backend, runner_up, margin)
+    # schema 2: optional, so that a hand-written table can leave them out; typed where present
+    m = _get(s, "m", where, _integer, optional=True)
+    clock = _get(s, "clock", where, _string, CLOCKS, optional=True)
+    gpu_backend = _get(s, "gpu_backend", where, _string, optional=True)
+    gpu = _get(s, "gpu_us", where, _timings, optional=True) or {}
+    host = _get(s, "host_us", where, _timings, optional=True) or {}
+    base = _get(s, "pytorch_us", where, _timings, optional=True)
+    for key in CLOCKS if base is not None else ():
+        _get(base, key, f"{where}.pytorch_us", _number, 0.0)
+    pytorch = (float(base["gpu"]), float(base["host"])) if base is not None else None
+    return Segment(m_from, backend, runner_up, margin, m, gpu.get(backend), host.get(backend), clock, gpu_backend,
+                   pytorch, speedup)  # fmt: skip
 
 
 def max_measured_m(entry: dict) -> int:
@@ -294,17 +346,18 @@ def max_measured_m(entry: dict) -> int:
     return max((p["m"] for p in entry.get("points", [])), default=entry["segments"][-1]["m_from"])
 
 
-def _parse_entry(e: Any, where: str) -> tuple[tuple, Entry]:
+def _parse_entry(e: Any, where: str, version: int) -> tuple[tuple, Entry]:
     """One JSON entry, checked so that lookups on it cannot fail later."""
     _object(e, where)
     key, features = _key_fields(e, where)
     # provenance, optional as hand-written tables leave it out: by default its own activation's timings
     measured_as = _get(e, "measured_as", where, _string, optional=True) or e["activation"]
+    measured_dtype = _get(e, "measured_dtype", where, _dtype_name, optional=True) if version >= 2 else None
     _get(e, "parity_checked", where, _boolean, optional=True)
     raw = _get(e, "segments", where, _array)
     if not raw:
         raise SchemaError(f"{where}.segments must not be empty")
-    segments = tuple(_segment(s, f"{where}.segments[{i}]") for i, s in enumerate(raw))
+    segments = tuple(_segment(s, f"{where}.segments[{i}]", version) for i, s in enumerate(raw))
     starts = tuple(s.m_from for s in segments)
     for i in range(1, len(starts)):
         if starts[i] <= starts[i - 1]:
@@ -315,9 +368,9 @@ def _parse_entry(e: Any, where: str) -> tuple[tuple, Entry]:
     # the raw points: in the calibrator's output, not in a shipped table (benchmarks/results/ has them)
     for name in ("points", "held_out"):
         for i, p in enumerate(_get(e, name, where, _array, optional=True) or []):
-            _point(p, f"{where}.{name}[{i}]")
+            _point(p, f"{where}.{name}[{i}]", version)
     _get(e, "max_m", where, _integer, optional=True)
-    return key, Entry(features, segments, starts, measured_as, max_measured_m(e))
+    return key, Entry(features, segments, starts, measured_as, max_measured_m(e), measured_dtype)
 
 
 def _check_device(d: Any) -> dict:
@@ -343,8 +396,7 @@ def _check_settings(s: Any) -> None:
     _get(s, "noise", "settings", _number, None, 0.0, optional=True)
     _get(s, "elapsed_s", "settings", _number, None, 0.0, optional=True)
     _get(s, "budget_s", "settings", _number, None, 0.0, optional=True, nullable=True)
-    for i, name in enumerate(_get(s, "preference", "settings", _array, optional=True) or []):
-        _string(name, f"settings.preference[{i}]")
+    _get(s, "preference", "settings", _strings, optional=True)
     for i, run in enumerate(_get(s, "runs", "settings", _array, optional=True) or []):
         where = f"settings.runs[{i}]"
         _object(run, where)
@@ -352,28 +404,28 @@ def _check_settings(s: Any) -> None:
         _get(run, "elapsed_s", where, _number, None, 0.0)
         _get(run, "parts", where, _integer, optional=True)
         _get(run, "date", where, _string, optional=True, nullable=True)
-        families = _get(run, "families", where, _array, optional=kind != "refresh")
-        for j, name in enumerate(families or []):
-            _string(name, f"{where}.families[{j}]")
+        _get(run, "families", where, _strings, optional=kind != "refresh")
 
 
-def _check_self_check(c: Any) -> None:
+def _check_self_check(c: Any, version: int) -> None:
     _object(c, "self_check")
     points = _get(c, "points", "self_check", _integer, 0, optional=True)
     # a summary of some points is printed whole; of none (a run that held none out), it is empty
     _get(c, "within_5pct", "self_check", _number, None, 0.0, optional=not points, nullable=not points)
-    for key in ("worst_regret", "worst_vs_eager"):
+    for key in ("worst_regret", "worst_vs_eager" if version == 1 else "worst_vs_pytorch"):
         _get(c, key, "self_check", _number, optional=not points, nullable=True)
     _get(c, "confirmed_points", "self_check", _integer, 0, optional=True)
 
 
-def _check_document(data: Any) -> None:
-    """Everything of a table but its entries."""
+def _check_document(data: Any) -> int:
+    """Everything of a table but its entries; the schema version comes back."""
     if not isinstance(data, dict):
         raise SchemaError(f"a table must be a JSON object, got {_type_name(data)}")
     version = _get(data, "schema_version", "", _integer, 0)
-    if version != SCHEMA_VERSION:
-        raise SchemaError(f"schema_version {version!r}, this code reads {SCHEMA_VERSION}")
+    if version not in SCHEMA_VERSIONS:
+        raise SchemaError(
+            f"schema_version {version!r}, this code reads {' and '.join(map(str, SCHEMA_VERSIONS))}"
+        )
     _check_device(_get(data, "device", "", _object))
     for name, v in (_get(data, "versions", "", _object, optional=True) or {}).items():
         if v is not None:
@@ -381,16 +433,43 @@ def _check_document(data: Any) -> None:
     _get(data, "date", "", _string, optional=True)
     if "settings" in data:
         _check_settings(data["settings"])
-    for name, label in (_get(data, "backends", "", _object, optional=True) or {}).items():
-        _string(label, f"backends.{name}")
+    _get(data, "backends", "", _texts, optional=True)
     if "self_check" in data:
-        _check_self_check(data["self_check"])
+        _check_self_check(data["self_check"], version)
     if "raw_points" in data:
         _get(_object(data["raw_points"], "raw_points"), "file", "raw_points", _string)
     for i, h in enumerate(_get(data, "held_out_sizes", "", _array, optional=True) or []):
         where = f"held_out_sizes[{i}]"
         _key_fields(_object(h, where), where)
-        _point(_get(h, "point", where, _object), f"{where}.point")
+        _point(_get(h, "point", where, _object), f"{where}.point", version)
+    return version
+
+
+def _dims(features: tuple[int, ...]) -> str:
+    return "x".join(map(str, features))
+
+
+def _us(x: float) -> str:
+    return f"{x:.0f} us" if x >= 10 else f"{x:.1f} us"
+
+
+def _clocks(seg: Segment) -> list[str]:
+    """explain()'s words for a schema 2 segment: which clock decided, the speedup over plain PyTorch."""
+    notes = []
+    if seg.gpu_us is not None and seg.host_us is not None:
+        at = f" at M={seg.m}" if seg.m else ""
+        if seg.gpu_us == seg.host_us:  # a CPU table: one clock
+            notes.append(f"wall time {_us(seg.gpu_us)}{at} (no separate GPU clock)")
+        elif seg.clock == "host":
+            notes.append(f"host-bound: host cost {_us(seg.host_us)} exceeds GPU time {_us(seg.gpu_us)}{at}")
+        else:
+            notes.append(f"GPU-bound: GPU time {_us(seg.gpu_us)} > host {_us(seg.host_us)}{at}")
+    if seg.speedup:
+        base = f" (its {_us(max(seg.pytorch_us))})" if seg.pytorch_us else ""
+        notes.append(f"{seg.speedup:.2f}x plain PyTorch{base}")
+    if seg.gpu_backend and seg.gpu_backend != seg.backend:
+        notes.append(f"by GPU time alone {seg.gpu_backend} (as in a CUDA graph)")
+    return notes
 
 
 class Table:
@@ -398,14 +477,43 @@ class Table:
     Raises SchemaError (naming the field) for a document lookups could not use."""
 
     def __init__(self, data: dict, path: str) -> None:
-        _check_document(data)
+        self.version = _check_document(data)
         self.data, self.path = data, path
         self.device: dict = data["device"]
         self.slug: str = self.device["slug"]
         self.index: dict[tuple, dict[tuple[int, ...], Entry]] = {}
         for i, e in enumerate(_get(data, "entries", "", _array)):
-            key, entry = _parse_entry(e, f"entries[{i}]")
+            key, entry = _parse_entry(e, f"entries[{i}]", self.version)
             self.index.setdefault(key, {})[entry.features] = entry
+
+    def _entry(self, entries: dict, features: tuple[int, ...]) -> tuple[Entry, tuple[int, ...], str]:
+        """The entry that decides for ``features``, the segment starts to use and the note saying how."""
+        if features in entries:
+            entry = entries[features]
+            return entry, entry.starts, ""
+        near = sorted(entries.values(), key=lambda e: _log_distance(e.features, features))
+        a = near[0]
+        note = f"nearest measured size {_dims(a.features)} ({_dims(features)} not measured)"
+        if self.version == 1 or len(near) < 2 or len(a.features) != len(features):
+            return a, a.starts, note
+        b = near[1]
+        t = _position(a.features, b.features, features)
+        if t is None:
+            return a, a.starts, note + ", outside the measured sizes"
+        between = f"between measured {_dims(a.features)} and {_dims(b.features)} ({_dims(features)} at {t:.2f} of the way)"
+        if [s.backend for s in a.segments] != [s.backend for s in b.segments]:
+            closer = a if t <= 0.5 else b
+            return (
+                closer,
+                closer.starts,
+                f"{between}, whose choices differ: the nearer {_dims(closer.features)}",
+            )
+        starts = [1]
+        for sa, sb in list(zip(a.starts, b.starts))[1:]:
+            starts.append(max(starts[-1] + 1, round(math.exp((1 - t) * math.log(sa) + t * math.log(sb)))))
+        cuts = ", ".join(f"M={s}" for s in starts[1:])
+        how = f"crossovers interpolated in log space at {cuts}" if cuts else "both choose alike"
+        return (a if t <= 0.5 else b), tuple(starts), f"{between}: {how}"
 
     def choose(self, call: Call, via: str = "") -> Optional[Choice]:
         dtype = str(call.dtype).removeprefix("torch.")
@@ -414,20 +522,19 @@ class Table:
         if not entries:
             return None
         m, features = call.shape[0], tuple(call.shape[1:])
-        entry = entries.get(features) or min(
-            entries.values(), key=lambda e: _log_distance(e.features, features)
-        )
-        i = max(bisect.bisect_right(entry.starts, m) - 1, 0)
+        entry, starts, size_note = self._entry(entries, features)
+        i = max(bisect.bisect_right(starts, m) - 1, 0)
         seg = entry.segments[i]
-        end = f"{entry.segments[i + 1].m_from}" if i + 1 < len(entry.segments) else "inf"
-        dims = "x".join(map(str, entry.features))
-        notes = [f"the segment M in [{seg.m_from}, {end})"]
-        if entry.features != features:
-            notes.append(f"nearest measured size {dims} ({'x'.join(map(str, features))} not measured)")
+        end = f"{starts[i + 1]}" if i + 1 < len(starts) else "inf"
+        notes = [f"the segment M in [{starts[i]}, {end})"] + ([size_note] if size_note else [])
+        if self.version >= 2:
+            rule = "the cheapest by max(GPU time, host cost)"
+            notes = [f"{notes[0]}: {rule}"] + _clocks(seg) + notes[1:]
         if m > entry.max_m:
             notes.append(f"M={m} beyond the largest measured M={entry.max_m}")
-        if entry.measured_as != call.activation:
-            notes.append(f"timings shared with {entry.measured_as}")
+        if entry.measured_as != call.activation or entry.measured_dtype:
+            shared = f" {entry.measured_dtype}" if entry.measured_dtype else ""
+            notes.append(f"timings shared with {entry.measured_as}{shared}")
         if seg.runner_up:
             margin = f" by {seg.margin:+.0%}" if seg.margin is not None else ""
             notes.append(f"runner-up {seg.runner_up}{margin}")
@@ -443,6 +550,16 @@ def _log_distance(a: tuple[int, ...], b: tuple[int, ...]) -> float:
     if len(a) != len(b):
         return math.inf
     return math.sqrt(sum(math.log2(x / y) ** 2 for x, y in zip(a, b)))
+
+
+def _position(a: tuple[int, ...], b: tuple[int, ...], x: tuple[int, ...]) -> Optional[float]:
+    """Where ``x`` falls from ``a`` (0) to ``b`` (1) in log space, projected on the line between them;
+    None outside (0, 1)."""
+    la, lb, lx = ([math.log2(v) for v in f] for f in (a, b, x))
+    d = [q - p for p, q in zip(la, lb)]
+    length = sum(v * v for v in d)
+    t = sum((q - p) * v for p, q, v in zip(la, lx, d)) / length if length else 0.0
+    return t if 0.0 < t < 1.0 else None
 
 
 def load_table(path: str) -> Optional[Table]:

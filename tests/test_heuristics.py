@@ -1,4 +1,5 @@
-"""Heuristic tables: round trip, atomic write, bad tables, GPU matching, precedence, crossover lookup."""
+"""Heuristic tables: round trip, atomic write, bad tables, GPU matching, precedence, crossover lookup,
+interpolation between measured sizes (schema 2), and schema 1 tables answering as they always did."""
 
 import json
 import os
@@ -9,19 +10,42 @@ import pytest
 import torch
 
 from dispatch import heuristics
-from dispatch import explain, registry, select
+from dispatch import explain, select
 from dispatch.registry import Call
+from harness import eager_twin, register
 
 CPU = torch.device("cpu")
 CPU_SLUG = heuristics.device_info(CPU)["slug"]
 
 
-def segments(*cuts):
-    """[(m_from, backend), ...] -> the table's segment dicts."""
-    return [
-        {"m_from": m, "backend": b, "runner_up": "eager", "margin": 0.1, "speedup": 1.2, "errors": {b: 1e-7}}
-        for m, b in cuts
-    ]
+def segments(*cuts, version=2):
+    """[(m_from, backend), ...] -> the table's segment dicts (schema 2: with both clocks)."""
+    out = []
+    for m, b in cuts:
+        seg = {
+            "m_from": m,
+            "backend": b,
+            "runner_up": "eager",
+            "margin": 0.1,
+            "speedup": 1.2,
+            "errors": {b: 1e-7},
+        }
+        if version >= 2:
+            seg.update(m=max(m, 2), clock="gpu", gpu_backend=b, gpu_us={b: 120.0, "eager": 132.0},
+                       host_us={b: 40.0, "eager": 30.0}, pytorch_us={"gpu": 140.0, "host": 30.0})  # fmt: skip
+        out.append(seg)
+    return out
+
+
+def raw_point(m, version=2):
+    if version == 1:
+        return {"m": m, "ms": {"eager": 1.0}, "err": {}, "rejected": {}}
+    return {
+        "m": m,
+        "gpu_us": {"eager": 1.0, "pytorch": 1.1},
+        "host_us": {"eager": 2.0, "pytorch": 2.0},
+        "err": {},
+    }
 
 
 def entry(
@@ -33,6 +57,7 @@ def entry(
     mode="training",
     dropout=True,
     points=(1, 64, 96, 4096),
+    version=2,
 ):
     return {
         "op": op,
@@ -43,15 +68,17 @@ def entry(
         "features": list(features),
         "measured_as": activation,
         "parity_checked": True,
-        "segments": segments(*cuts),
-        "points": [{"m": m, "ms": {"eager": 1.0}, "err": {}, "rejected": {}} for m in points],
+        "segments": segments(*cuts, version=version),
+        "points": [raw_point(m, version) for m in points],
         "held_out": [],
     }
 
 
-def document(entries, slug=CPU_SLUG, device_type="cpu", capability=None, versions=None, name="test device"):
+def document(
+    entries, slug=CPU_SLUG, device_type="cpu", capability=None, versions=None, name="test device", version=2
+):
     return {
-        "schema_version": heuristics.SCHEMA_VERSION,
+        "schema_version": version,
         "device": {
             "type": device_type,
             "name": name,
@@ -214,31 +241,75 @@ def test_crossovers_decide_between_measured_sizes(dirs):
     assert heuristics.lookup(bad_call(100, activation="relu")) is None
 
 
-def test_nearest_feature_size(dirs):
+def test_schema_1_takes_the_nearest_feature_size(dirs):
+    """A schema 1 table (the shipped H200 table until it is recalibrated) answers as it always did."""
     user, _ = dirs
     entries = [
-        entry([(1, "eager")], features=(1024,)),
-        entry([(1, "nvfuser")], features=(8192,)),
-        entry([(1, "eager")], op="fused_linear", features=(4096, 1024), dropout=False),
-        entry([(1, "inductor")], op="fused_linear", features=(1024, 4096), dropout=False),
+        entry([(1, "eager")], features=(1024,), version=1),
+        entry([(1, "nvfuser")], features=(8192,), version=1),
+        entry([(1, "eager")], op="fused_linear", features=(4096, 1024), dropout=False, version=1),
+        entry([(1, "inductor")], op="fused_linear", features=(1024, 4096), dropout=False, version=1),
     ]
-    heuristics.save_table(document(entries), str(user / "t.json"))
+    heuristics.save_table(document(entries, version=1), str(user / "t.json"))
     choice = heuristics.lookup(bad_call(16, n=3000))  # log2: 1.55 from 1024, 1.45 from 8192
-    assert (
-        choice.backend == "nvfuser" and "nearest measured size 8192 (3000 not measured)" in choice.description
-    )
+    assert choice.description.endswith(
+        "bias_act_dropout float32 gelu training, the segment M in [1, inf); nearest measured size 8192 "
+        "(3000 not measured); runner-up eager by +10%"
+    ), choice.description
+    assert choice.backend == "nvfuser" and "GPU" not in choice.description
     assert heuristics.lookup(bad_call(16, n=1024)).backend == "eager"
     linear = Call("fused_linear", CPU, torch.float32, (16, 1100, 3000), "gelu", False, True)
     assert heuristics.lookup(linear).backend == "inductor"
 
 
+def test_schema_2_interpolates_crossovers_between_measured_sizes(dirs):
+    """Between two measured sizes whose segments name the same backends, each crossover is interpolated
+    in log space; where they differ, the nearer size decides; outside them, the nearest. The
+    description says which."""
+    user, _ = dirs
+    entries = [
+        entry([(1, "eager"), (100, "triton")], features=(1024,)),
+        entry([(1, "eager"), (400, "triton")], features=(4096,)),
+        entry([(1, "nvfuser")], features=(16384,)),
+    ]
+    heuristics.save_table(document(entries), str(user / "t.json"))
+    assert heuristics.lookup(bad_call(199, n=2048)).backend == "eager"  # halfway in log2: M = 200
+    choice = heuristics.lookup(bad_call(200, n=2048))
+    assert choice.backend == "triton", choice.description
+    assert "between measured 1024 and 4096 (2048 at 0.50 of the way): crossovers interpolated in log " \
+           "space at M=200" in choice.description  # fmt: skip
+    assert heuristics.lookup(bad_call(100, n=1024)).backend == "triton"  # a measured size: its own cut
+    choice = heuristics.lookup(bad_call(5000, n=10000))  # 0.72 of the way from 4096 to 16384
+    assert choice.backend == "nvfuser" and "whose choices differ: the nearer 16384" in choice.description
+    choice = heuristics.lookup(bad_call(5000, n=512))
+    assert (
+        choice.backend == "triton"
+        and "nearest measured size 1024 (512 not measured), outside" in choice.description
+    )
+
+
+def test_explain_names_the_clock_and_the_speedup_over_pytorch(dirs, monkeypatch):
+    user, _ = dirs
+    register(monkeypatch, eager_twin("fake"))
+    e = entry([(1, "eager"), (32, "fake")])
+    e["segments"][0].update(clock="host", m=8, gpu_us={"eager": 9.5}, host_us={"eager": 31.0})
+    heuristics.save_table(document([e]), str(user / "t.json"))
+    x, b = torch.randn(64, 4096, requires_grad=True), torch.randn(4096, requires_grad=True)
+    text = str(explain("fused_bias_act_dropout", x, b, "gelu", 0.1))
+    assert "runs on: fake" in text and "the cheapest by max(GPU time, host cost)" in text, text
+    assert (
+        "GPU-bound: GPU time 120 us > host 40 us at M=32" in text
+        and "1.20x plain PyTorch (its 140 us)" in text
+    )
+    text = str(explain("fused_bias_act_dropout", x[:8], b, "gelu", 0.1))
+    assert (
+        "runs on: eager" in text and "host-bound: host cost 31 us exceeds GPU time 9.5 us at M=8" in text
+    ), text
+
+
 def test_dispatcher_follows_the_table(dirs, monkeypatch):
     user, _ = dirs
-    eager = registry.get("eager")
-    fake = registry.Backend(
-        "fake", eager.ops, eager.devices, eager.dtypes, eager.activations, True, "eager twin"
-    )
-    monkeypatch.setitem(registry._BACKENDS, "fake", fake)
+    register(monkeypatch, eager_twin("fake"))
     heuristics.save_table(document([entry([(1, "eager"), (32, "fake")])]), str(user / "t.json"))
     x, b = torch.randn(64, 4096, requires_grad=True), torch.randn(4096, requires_grad=True)
     decision = explain("fused_bias_act_dropout", x, b, "gelu", 0.1)
@@ -266,7 +337,8 @@ def test_saved_table_is_readable_one_segment_a_line(tmp_path):
     lines = [line.strip().rstrip(",") for line in text.splitlines()]
     for record in doc["entries"][0]["segments"] + doc["entries"][0]["points"]:
         assert json.dumps(record) in lines  # each on a line of its own
-    assert max(map(len, text.splitlines())) < 200 and len(lines) < 40
+    # a schema 2 segment (both clocks of winner, runner-up and PyTorch) is ~300 characters on its line
+    assert max(map(len, text.splitlines())) < 400 and len(lines) < 40
 
 
 def test_max_m_marks_calls_past_it_without_points(dirs):

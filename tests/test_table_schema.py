@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dispatch import heuristics
-from dispatch import calibrate, explain, fused_bias_act_dropout, fused_linear, select
+from dispatch import explain, fused_bias_act_dropout, fused_linear, select
+from dispatch.calibrate import __main__ as calibrate_cli
 from dispatch import table as table_cli
 from dispatch.registry import Call
 
@@ -31,15 +32,30 @@ FAKE_GPU = {
 }
 
 
-def point(m, **ms):
-    return {"m": m, "ms": ms or {"eager": 1.0, "triton": 0.5}, "err": {"triton": 1e-6}, "rejected": {}}
+def point(m, **us):
+    gpu = us or {"eager": 1.0, "triton": 0.5, "pytorch": 1.2}
+    return {"m": m, "gpu_us": gpu, "host_us": {n: 2 * t for n, t in gpu.items()}, "err": {"triton": 1e-6},
+            "rejected": {}, "gpu_clock": {"eager": "do_bench (capture failed: ...)"}, "drained": []}  # fmt: skip
 
 
 def valid_document(device_type="cpu"):
-    """A table with every field the schema knows, as the calibrator writes it; its CPU variant is
-    this machine's, so lookups use it."""
+    """A schema 2 table with every field the schema knows, as the calibrator writes it; its CPU variant
+    is this machine's, so lookups use it."""
     segments = [
-        {"m_from": 1, "backend": "eager", "runner_up": "triton", "margin": 0.1, "speedup": 1.0, "errors": {}},
+        {
+            "m_from": 1,
+            "backend": "eager",
+            "runner_up": "triton",
+            "margin": 0.1,
+            "speedup": 1.0,
+            "m": 32,
+            "clock": "host",
+            "gpu_backend": "triton",
+            "gpu_us": {"eager": 1.0, "triton": 0.5},
+            "host_us": {"eager": 2.0, "triton": 3.0},
+            "pytorch_us": {"gpu": 1.2, "host": 2.0},
+            "errors": {},
+        },
         {
             "m_from": 48,
             "backend": "eager",
@@ -72,6 +88,7 @@ def valid_document(device_type="cpu"):
             "op": "fused_linear",
             "dropout": False,
             "features": [32, 16],
+            "measured_dtype": "bfloat16",
             "segments": segments[:1],
             "points": [point(4)],
             "held_out": [],
@@ -79,7 +96,7 @@ def valid_document(device_type="cpu"):
     ]
     cuda = device_type == "cuda"
     return {
-        "schema_version": heuristics.SCHEMA_VERSION,
+        "schema_version": 2,
         "device": {
             "type": device_type,
             "name": "NVIDIA H200" if cuda else "test cpu",
@@ -117,7 +134,7 @@ def valid_document(device_type="cpu"):
             "points": 2,
             "within_5pct": 1.0,
             "worst_regret": 0.0,
-            "worst_vs_eager": None,
+            "worst_vs_pytorch": None,
             "confirmed_points": 0,
         },
         "raw_points": {"file": "benchmarks/results/x.json", "moved": []},
@@ -168,6 +185,46 @@ def test_the_valid_document_loads_silently_and_decides(user_dir):
         rules = run_public_ops()
     assert heuristics_warnings(caught) == []
     assert all(str(path) in r for r in rules) and "heuristics table" in rules[0], rules
+    linear = rules[1]  # fused_linear 8 x 32 x 16: the first segment, which keeps its clocks
+    assert "host-bound: host cost 2.0 us exceeds GPU time 1.0 us at M=32" in linear, linear
+    assert "by GPU time alone triton" in linear and "1.00x plain PyTorch" in linear, linear
+    assert "timings shared with gelu bfloat16" in linear, linear
+
+
+def schema_1(doc):
+    """``doc`` as the calibrator wrote it before the host clock: one time per backend and point (ms),
+    segments without clocks, the self-check against eager."""
+    for e in doc["entries"]:
+        e.pop("measured_dtype", None)
+        for p in e["points"] + e["held_out"]:
+            p["ms"] = {n: t / 1e3 for n, t in p.pop("gpu_us").items() if n != "pytorch"}
+            for key in ("host_us", "gpu_clock", "drained"):
+                p.pop(key)
+        e["segments"] = [{k: v for k, v in seg.items() if k in ("m_from", "backend", "runner_up", "margin",
+                         "speedup", "errors")} for seg in e["segments"]]  # fmt: skip
+    doc["held_out_sizes"][0]["point"] = {"m": 16, "ms": {"eager": 1.0}}
+    doc["self_check"]["worst_vs_eager"] = doc["self_check"].pop("worst_vs_pytorch")
+    return {**doc, "schema_version": 1}
+
+
+def test_a_schema_1_table_loads_silently_and_decides_as_before(user_dir):
+    path = user_dir / "t.json"
+    path.write_text(json.dumps(schema_1(valid_document())))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rules = run_public_ops()
+        table = heuristics.load_table(str(path))
+    assert heuristics_warnings(caught) == [] and table.version == 1
+    assert "heuristics table" in rules[0] and "GPU" not in rules[0] and "PyTorch" not in rules[0], rules
+    printed = table_cli.render(table)
+    assert "speedup over eager" in printed and "worst vs eager" in printed, printed
+    bad = schema_1(valid_document())
+    bad["entries"][0]["points"][0]["ms"]["eager"] = -1
+    path.write_text(json.dumps(bad))
+    with pytest.warns(
+        heuristics.HeuristicsWarning, match="entries\\[0\\].points\\[0\\].ms.eager must be a finite"
+    ):
+        assert heuristics.load_table(str(path)) is None
 
 
 def set_at(path, value):
@@ -285,14 +342,55 @@ BROKEN = {  # id: (mutation, what the warning says)
         set_at((*E0, "points", 0, "m"), -1),
         "entries[0].points[0].m must be an integer from 1",
     ),
-    "point-ms-zero": (
-        set_at((*E0, "points", 0, "ms", "eager"), 0),
-        "entries[0].points[0].ms.eager must be a finite number above 0",
+    "point-gpu-us-zero": (
+        set_at((*E0, "points", 0, "gpu_us", "eager"), 0),
+        "entries[0].points[0].gpu_us.eager must be a finite number above 0",
+    ),
+    "point-host-us-missing": (
+        set_at((*E0, "points", 0, "host_us"), DELETE),
+        "entries[0].points[0].host_us is missing",
+    ),
+    "point-schema-1-ms": (  # a schema 1 point in a schema 2 table
+        set_at((*E0, "points", 0), {"m": 1, "ms": {"eager": 1.0}}),
+        "entries[0].points[0].gpu_us is missing",
+    ),
+    "point-gpu-clock-int": (
+        set_at((*E0, "points", 0, "gpu_clock", "eager"), 1),
+        "entries[0].points[0].gpu_clock.eager must be a string, got int",
+    ),
+    "point-drained-str": (
+        set_at((*E0, "points", 0, "drained"), "eager"),
+        "entries[0].points[0].drained must be a list, got str",
+    ),
+    "segment-clock-other": (
+        set_at((*S0, "clock"), "cpu"),
+        'entries[0].segments[0].clock must be "gpu" or "host", got "cpu"',
+    ),
+    "segment-gpu-us-negative": (
+        set_at((*S0, "gpu_us", "eager"), -1.0),
+        "entries[0].segments[0].gpu_us.eager must be a finite number above 0",
+    ),
+    "segment-host-us-str": (
+        set_at((*S0, "host_us"), "2 us"),
+        "entries[0].segments[0].host_us must be an object, got str",
+    ),
+    "segment-pytorch-host-missing": (
+        set_at((*S0, "pytorch_us", "host"), DELETE),
+        "entries[0].segments[0].pytorch_us.host is missing",
+    ),
+    "segment-gpu-backend-int": (
+        set_at((*S0, "gpu_backend"), 2),
+        "entries[0].segments[0].gpu_backend must be a string, got int",
+    ),
+    "segment-m-zero": (set_at((*S0, "m"), 0), "entries[0].segments[0].m must be an integer from 1"),
+    "measured-dtype-int8": (
+        set_at(("entries", 1, "measured_dtype"), "int8"),
+        "entries[1].measured_dtype must be a floating-point dtype's name",
     ),
     "points-dict": (set_at((*E0, "points"), {}), "entries[0].points must be a list, got dict"),
-    "held-out-ms-list": (
-        set_at((*E0, "held_out", 0, "ms"), []),
-        "entries[0].held_out[0].ms must be an object, got list",
+    "held-out-gpu-us-list": (
+        set_at((*E0, "held_out", 0, "gpu_us"), []),
+        "entries[0].held_out[0].gpu_us must be an object, got list",
     ),
     "held-out-size-features": (
         set_at(("held_out_sizes", 0, "features"), []),
@@ -303,7 +401,7 @@ BROKEN = {  # id: (mutation, what the warning says)
         "held_out_sizes[0].point must be an object, got null",
     ),
     "schema-version-bool": (set_at(("schema_version",), True), "schema_version must be an integer, got bool"),
-    "schema-version-other": (set_at(("schema_version",), 2), "schema_version 2, this code reads 1"),
+    "schema-version-other": (set_at(("schema_version",), 3), "schema_version 3, this code reads 1 and 2"),
     "schema-version-missing": (set_at(("schema_version",), DELETE), "schema_version is missing"),
     "device-str": (set_at(("device",), "cpu"), "device must be an object, got str"),
     "device-missing": (set_at(("device",), DELETE), "device is missing"),
@@ -473,7 +571,8 @@ def test_the_shipped_table_loads_silently_and_keeps_no_points():
         for e in doc["entries"]
     )
     assert doc["self_check"]["meets_targets"] and doc["date"] and doc["versions"]["torch"]
-    assert os.path.getsize(SHIPPED) < 200_000
+    # schema 2 keeps both clocks of winner, runner-up and PyTorch per segment: ~300 bytes a segment
+    assert os.path.getsize(SHIPPED) < 1_000_000
 
 
 def test_the_shipped_table_is_its_raw_file_slimmed_and_answers_alike():
@@ -522,4 +621,4 @@ def test_calibrate_will_not_resume_a_slim_table():
         SystemExit,
         match="keeps no raw measured points; run on benchmarks/results/calibrate_points-nvidia-h200.json",
     ):
-        calibrate._previous(SHIPPED, info)
+        calibrate_cli._previous(SHIPPED, info)

@@ -1,0 +1,444 @@
+"""One call on one backend: inputs, the parity check against the float64 reference, and the two clocks.
+
+Shared by ``python -m dispatch.calibrate`` and ``python -m dispatch.parity``. Every run goes through the
+public ops with ``backend=name``, so what is checked and timed is what a user's call runs. The baseline
+(``plan.BASELINE``) is the composite a user writes, timed the same way.
+
+The clocks (``Clock``), per op call, each the median of interleaved rounds (A B C, B C A, ...):
+- ``gpu_us``: the calls unrolled in a CUDA graph and replayed (``timing.gpu_ms``, triton's
+  do_bench_cudagraph): the kernels alone. A backend whose calls cannot be captured falls back to
+  ``timing.wall_ms`` (do_bench) and the point says so (``gpu_clock``). A call of SLOW_MS or more is
+  timed by events around back-to-back calls, one round: its host time hides behind it.
+- ``host_us``: the host's cost of a call, ``time.perf_counter`` around back-to-back calls queued behind
+  a ``torch.cuda._sleep`` kernel that outlasts them, so the host never waits on the GPU. If the sleep
+  ran out first (the call synchronizes, or the launch queue filled), it is retried longer with fewer
+  calls, and the point lists the backend under ``drained`` if that fails too.
+On a CPU there is one clock: both are ``timing.cpu_ms``, wall time per call.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dispatch import timing
+from dispatch.api import fused_bias_act_dropout, fused_linear
+from dispatch.calibrate.plan import BASELINE
+from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts import tolerances
+from dispatch.contracts.activations import ACTIVATIONS
+from dispatch.contracts.backend import Call
+
+P_DROPOUT = 0.1  # the p of every dropout measurement: the cost does not depend on p
+SLOW_MS = timing.SLOW_MS  # 5 ms; on a CPU 50 ms (fused_linear 64 x 3072 x 768 takes ~5 ms on 2 cores)
+CPU_SLOW_MS = 50.0
+GRAPH_REP_MS = 1.0  # calls unrolled per graph: ~1 ms of them, replayed 10 times
+HOST_WINDOW_MS = 1.0  # host clock: about this much host time of back-to-back calls per sample, at most
+HOST_RUNS = 20  # ... this many runs: 20 chained training runs are ~500 launches queued behind the sleep
+HOST_CAP_MS = 10.0  # ... sized by at most this per call (slower calls are GPU-bound by far)
+# Training is timed as TRAIN_CHAIN forwards and one backward over all their outputs: a model calls
+# backward once per step, and autograd's fixed cost per backward() (~0.5 ms on the H200 host) belongs to
+# no single op. Timed one call per backward it swamped the backends' differences (the table sent GPT-2's
+# c_fc to cublaslt; patched GPT-2 then trained at 0.86x eager, 1.21x once chained timings chose triton).
+TRAIN_CHAIN = 4
+
+
+@dataclass(frozen=True)
+class Case:
+    """One shape of one op: (M, N) for bias_act_dropout, (M, N, K) for fused_linear."""
+
+    op: str
+    dtype: torch.dtype
+    activation: str
+    training: bool  # forward + backward; inference is the forward under no_grad
+    dropout: bool
+    m: int
+    features: tuple[int, ...]
+    device: torch.device
+
+    def call(self) -> Call:
+        shape = (self.m, *self.features)
+        return Call(self.op, self.device, self.dtype, shape, self.activation, self.dropout, self.training)
+
+    @property
+    def p(self) -> float:
+        return P_DROPOUT if self.dropout else 0.0
+
+    @property
+    def seed(self) -> int:
+        return zlib.crc32(repr(self).encode())
+
+
+@dataclass
+class Inputs:
+    x: Tensor  # (M, N) or (M, K)
+    bias: Tensor  # (N,)
+    weight: Optional[Tensor]  # (N, K) for fused_linear
+    grad_y: Tensor  # (M, N)
+    seed: int  # of the dropout generator
+
+
+def make_inputs(case: Case, seed: int) -> Inputs:
+    """Fresh random inputs on the device (pre-activations ~ N(0, 1), so every activation branch is hit)."""
+    g = torch.Generator(device=case.device).manual_seed(seed)
+    dev, dt, n = case.device, case.dtype, case.features[0]
+
+    def randn(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(*shape, device=dev, generator=g) * scale).to(dt)
+
+    if case.op == "bias_act_dropout":
+        return Inputs(randn(case.m, n), randn(n, scale=0.5), None, randn(case.m, n), seed)
+    k = case.features[1]
+    weight = randn(n, k, scale=1.0 / math.sqrt(k))
+    return Inputs(randn(case.m, k), randn(n, scale=0.5), weight, randn(case.m, n), seed)
+
+
+def _generator(case: Case, seed: int) -> Optional[torch.Generator]:
+    return torch.Generator(device=case.device).manual_seed(seed + 1) if case.dropout else None
+
+
+def _leaves(case: Case, inp: Inputs, dtype: Optional[torch.dtype] = None) -> list[Tensor]:
+    ts = [inp.x, inp.weight, inp.bias] if case.op == "fused_linear" else [inp.x, inp.bias]
+    return [t.detach().to(dtype or t.dtype).requires_grad_(case.training) for t in ts]
+
+
+def run_once(name: str, case: Case, inp: Inputs) -> list[Tensor]:
+    """[y] in inference, [y, grad_x, (grad_w,) grad_bias] in training; the same dropout mask every time."""
+    leaves = _leaves(case, inp)
+    with torch.set_grad_enabled(case.training):
+        if case.op == "bias_act_dropout":
+            x, b = leaves
+            gen = _generator(case, inp.seed)
+            y = fused_bias_act_dropout(x, b, case.activation, case.p, True, generator=gen, backend=name)
+        else:
+            x, w, b = leaves
+            y = fused_linear(x, w, b, case.activation, backend=name)
+    if not case.training:
+        return [y]
+    y.backward(inp.grad_y)
+    return [y.detach(), *(t.grad for t in leaves)]
+
+
+def reference(case: Case, inp: Inputs) -> list[Tensor]:
+    """The float64 reference of run_once's outputs (the eager backend's definitions, autograd grads)."""
+    from dispatch.backends.eager import bias_act_dropout as ref_bad
+    from dispatch.backends.eager import fused_linear as ref_fl
+
+    leaves = _leaves(case, inp, torch.float64)
+    with torch.set_grad_enabled(case.training):
+        if case.op == "bias_act_dropout":
+            x, b = leaves
+            gen = _generator(case, inp.seed)
+            rng = dropout_rng.draw_for(x, gen) if gen is not None else None  # as the op draws
+            y = ref_bad.reference(x, b, case.activation, case.p, rng, upcast=True)
+        else:
+            x, w, b = leaves
+            y = ref_fl.reference(x, w, b, case.activation, upcast=True)
+    if not case.training:
+        return [y]
+    y.backward(inp.grad_y.double())
+    return [y.detach(), *(t.grad for t in leaves)]
+
+
+@dataclass(frozen=True)
+class Check:
+    errors: tuple[float, ...]  # max|out - ref| / max|ref| per output (y first, then the gradients)
+    ratios: tuple[float, ...]  # max|out - ref| / allowed per output; <= 1 passes
+    failure: str = ""  # an exception, if the backend raised
+
+    @property
+    def ok(self) -> bool:
+        return not self.failure and all(r <= 1.0 for r in self.ratios)
+
+    @property
+    def error(self) -> float:
+        return max(self.errors, default=math.inf)
+
+
+def failure(exc: BaseException) -> str:
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+def check(name: str, case: Case, inp: Inputs, refs: list[Tensor], eager: list[Tensor]) -> Check:
+    """Runs ``name`` (after one warm-up call: JIT backends compile on their first) and compares every
+    output with the reference: err <= 2 * err(eager in this dtype) + atol + rtol * max|ref|."""
+    try:
+        if name != "eager":
+            run_once(name, case, inp)
+        outs = run_once(name, case, inp)
+    except Exception as exc:  # a broken backend is reported, never fatal
+        return Check((), (), failure(exc))
+    return compare(outs, refs, eager)
+
+
+def compare(outs: list[Tensor], refs: list[Tensor], eager: list[Tensor]) -> Check:
+    errors, ratios = [], []
+    for out, ref, eag in zip(outs, refs, eager):
+        if out is None or out.shape != ref.shape:
+            return Check(
+                (), (), f"output shape {None if out is None else tuple(out.shape)} != {tuple(ref.shape)}"
+            )
+        err = tolerances.max_error(out, ref)
+        scale = float(ref.abs().max()) if ref.numel() else 0.0
+        errors.append(err / scale if scale else err)
+        ratios.append(err / tolerances.allowed_error(ref, out.dtype, eag))
+    return Check(tuple(errors), tuple(ratios))
+
+
+def gate(name: str, case: Case, inp: Inputs, refs: list, eager: list) -> list:
+    """[passed, max relative error, why it failed] of backend ``name`` at ``case``."""
+    c = compare(eager, refs, eager) if name == "eager" else check(name, case, inp, refs, eager)
+    if c.ok:
+        return [True, float(f"{c.error:.3g}"), ""]
+    return [False, None, c.failure or f"max error {max(c.ratios):.2f}x the tolerance"]
+
+
+def inputs(case: Case) -> tuple[Inputs, list, list]:
+    """The point's inputs (seeded by the case), the float64 reference and eager's outputs."""
+    inp = make_inputs(case, case.seed)
+    return inp, reference(case, inp), run_once("eager", case, inp)
+
+
+# ----------------------------------------------------------------------------- what is timed
+
+
+class Timer(NamedTuple):
+    """``fn`` runs ``calls`` op calls of entry ``name`` at ``case``; ``leaves``' grads reset before it."""
+
+    fn: Callable[[], object]
+    leaves: list[Tensor]
+    calls: int
+    name: str
+    case: Case
+
+
+def _composite(case: Case) -> Callable:
+    act = ACTIVATIONS[case.activation].forward
+    if case.op == "bias_act_dropout":
+        return lambda x, b: F.dropout(act(x + b), case.p, training=True) if case.p else act(x + b)
+    return lambda x, w, b: act(F.linear(x, w, b))
+
+
+def timer(name: str, case: Case, inp: Inputs) -> Timer:
+    """The op on backend ``name`` (or the baseline composite): forward, or forward + backward."""
+    leaves = _leaves(case, inp)
+    act, p = case.activation, case.p
+    if name == BASELINE:
+        composite = _composite(case)
+
+        def forward() -> Tensor:
+            return composite(*leaves)
+    elif case.op == "bias_act_dropout":
+
+        def forward() -> Tensor:
+            return fused_bias_act_dropout(leaves[0], leaves[1], act, p, True, backend=name)
+    else:
+
+        def forward() -> Tensor:
+            return fused_linear(*leaves, act, backend=name)
+
+    if not case.training:
+        return Timer(forward, [], 1, name, case)
+    chain = TRAIN_CHAIN if case.device.type == "cuda" else 1  # a CPU call dwarfs autograd's fixed cost
+
+    def step() -> None:
+        outs = [forward() for _ in range(chain)]
+        torch.autograd.backward(outs, [inp.grad_y] * chain)
+
+    return Timer(step, leaves, chain, name, case)
+
+
+# ----------------------------------------------------------------------------- the clocks
+
+
+@dataclass
+class Timed:
+    gpu_us: float
+    host_us: float
+    how: str  # how gpu_us was taken: "graph", "events", "do_bench (...)" or "wall" (CPU)
+    drained: bool  # the host clock's queue ran dry: host_us may include waiting on the GPU
+
+
+def _reset(t: Timer) -> None:
+    for leaf in t.leaves:
+        leaf.grad = None
+
+
+class Clock:
+    """Times entries on both clocks in interleaved rounds; remembers which backends cannot be captured."""
+
+    def __init__(self, device: torch.device, rounds: int, quick: bool) -> None:
+        self.device, self.rounds, self.quick = device, rounds, quick
+        self.cuda = device.type == "cuda"
+        self.no_graph: dict[tuple, str] = {}  # (backend, op, training, dropout) -> why capture failed
+        self._cycles_per_ms: Optional[float] = None
+
+    def first(self, t: Timer) -> float:
+        """Seconds of the untimed first call (a JIT backend compiles there); raises what it raises."""
+        start = time.perf_counter()
+        _reset(t)
+        t.fn()
+        timing.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def estimate_ms(self, t: Timer) -> float:
+        """ms per op call of two back-to-back runs between events: about max(host, GPU). 0 on a CPU."""
+        if not self.cuda:
+            return 0.0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        timing.synchronize(self.device)
+        start.record()
+        for _ in range(2):
+            _reset(t)
+            t.fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / (2 * t.calls)
+
+    def slow(self, est_ms: float, sample: Optional[Timed]) -> bool:
+        """Whether an entry gets one round only."""
+        if self.cuda:
+            return est_ms >= SLOW_MS
+        return sample is not None and sample.gpu_us >= CPU_SLOW_MS * 1e3
+
+    def sample(self, t: Timer, est_ms: float) -> Timed:
+        """One round of one entry."""
+        if not self.cuda:
+            ms = timing.cpu_ms(t.fn, 30.0 if self.quick else 60.0, t.leaves, t.calls)
+            return Timed(ms * 1e3, ms * 1e3, "wall", False)
+        host, drained = self.host_us(t, est_ms)
+        if est_ms >= SLOW_MS:
+            return Timed(est_ms * 1e3, host, "events", drained)
+        gpu, how = self.gpu_us(t)
+        return Timed(gpu, host, how, drained)
+
+    def gpu_us(self, t: Timer) -> tuple[float, str]:
+        key = (t.name, t.case.op, t.case.training, t.case.dropout)
+        if key not in self.no_graph:
+            try:
+                return timing.gpu_ms(t.fn, GRAPH_REP_MS, t.leaves, t.calls) * 1e3, "graph"
+            except Exception as exc:  # a backend whose calls cannot be captured
+                self.no_graph[key] = timing.describe(exc)
+                try:
+                    torch.cuda.synchronize(self.device)
+                except Exception:
+                    pass
+        ms = timing.wall_ms(t.fn, self.device, 10 * GRAPH_REP_MS, t.leaves, t.calls)
+        return ms * 1e3, f"do_bench (capture failed: {self.no_graph[key]})"
+
+    def cycles_per_ms(self) -> float:
+        if self._cycles_per_ms is None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1000)
+            start.record()
+            torch.cuda._sleep(10_000_000)
+            end.record()
+            end.synchronize()
+            self._cycles_per_ms = 10_000_000 / max(start.elapsed_time(end), 1e-3)
+        return self._cycles_per_ms
+
+    def host_us(self, t: Timer, est_ms: float) -> tuple[float, bool]:
+        """us of host time per op call, measured behind a sleep kernel that outlasts the calls."""
+        per_run = min(max(est_ms, 1e-3) * t.calls, HOST_CAP_MS)  # >= the host's time per run
+        runs = max(1, min(HOST_RUNS, int(HOST_WINDOW_MS / per_run)))
+        guess = runs * per_run
+        for _ in range(3):
+            torch.cuda.synchronize(self.device)
+            torch.cuda._sleep(int(self.cycles_per_ms() * (2 * guess + 0.2)))
+            busy = torch.cuda.Event()
+            busy.record()
+            start = time.perf_counter()
+            for _ in range(runs):
+                _reset(t)
+                t.fn()
+            seconds = time.perf_counter() - start
+            drained = busy.query()  # the sleep had ended: the host may have waited on the GPU
+            torch.cuda.synchronize(self.device)
+            if not drained:
+                break
+            runs, guess = max(1, runs // 4), guess * 4
+        return seconds * 1e6 / (runs * t.calls), drained
+
+    def time(
+        self, timers: dict[str, Timer], may_start: Callable[[str], bool] = lambda name: True
+    ) -> tuple[dict[str, Union[Timed, Exception, str]], dict[str, float]]:
+        """Each entry's median over the rounds, an exception where it raised, or the reason it was not
+        started (``may_start(name)`` is asked before each first call); and each entry's seconds."""
+        out: dict[str, Union[Timed, Exception, str]] = {}
+        spent = dict.fromkeys(timers, 0.0)
+        est: dict[str, float] = {}
+        for name, t in timers.items():
+            if not may_start(name):
+                out[name] = "not started: the family's budget is spent"
+                continue
+            start = time.monotonic()
+            try:
+                self.first(t)
+                est[name] = self.estimate_ms(t)
+            except Exception as exc:
+                _settle(self.device)
+                out[name] = exc
+            spent[name] += time.monotonic() - start
+        samples: dict[str, list[Timed]] = {n: [] for n in est}
+        for _, name in timing.rotations(list(est), self.rounds):
+            got = samples[name]
+            if name in out or (got and self.slow(est[name], got[0])):
+                continue
+            start = time.monotonic()
+            try:
+                with torch.set_grad_enabled(timers[name].case.training):
+                    got.append(self.sample(timers[name], est[name]))
+            except Exception as exc:
+                _settle(self.device)
+                out[name] = exc
+            spent[name] += time.monotonic() - start
+        for name, got in samples.items():
+            if name not in out and got:
+                out[name] = Timed(
+                    statistics.median(s.gpu_us for s in got),
+                    statistics.median(s.host_us for s in got),
+                    got[0].how,
+                    any(s.drained for s in got),
+                )
+        return out, spent
+
+
+def _settle(device: torch.device) -> None:
+    try:
+        timing.synchronize(device)
+    except Exception:
+        pass
+
+
+def point(case: Case, names: list[str], clock: Clock, may_start: Callable[[str], bool]) -> tuple[dict, dict]:
+    """One measured point: each entry's gpu_us and host_us (the baseline among them), the entries that
+    failed or were not started, how a GPU time was taken where not by a graph. And seconds per entry."""
+    pt: dict = {"m": case.m, "gpu_us": {}, "host_us": {}, "err": {}, "rejected": {}}
+    spent: dict[str, float] = {}
+    try:
+        inp = make_inputs(case, case.seed)
+        with torch.set_grad_enabled(case.training):
+            got, spent = clock.time({n: timer(n, case, inp) for n in names}, may_start)
+        for name, r in got.items():
+            if isinstance(r, Timed):
+                pt["gpu_us"][name], pt["host_us"][name] = float(f"{r.gpu_us:.4g}"), float(f"{r.host_us:.4g}")
+                if r.how not in ("graph", "wall"):
+                    pt.setdefault("gpu_clock", {})[name] = r.how
+                if r.drained:
+                    pt.setdefault("drained", []).append(name)
+            else:
+                pt["rejected"][name] = r if isinstance(r, str) else failure(r)
+    except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+        pt["skipped"] = failure(exc)
+    if case.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return pt, spent

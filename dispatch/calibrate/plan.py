@@ -1,0 +1,337 @@
+"""What ``python -m dispatch.calibrate`` measures, in which order, and the rule that turns measured
+points into a table's segments.
+
+The decision rule: a call run eagerly costs ``max(gpu_us, host_us)``: the host enqueues kernels while
+the GPU runs earlier ones, so whichever of the two is slower sets the pace. Segments are won by that
+cost; ties within NOISE go to the backend first in PREFERENCE. Each segment also records the winner by
+GPU time alone (``gpu_backend``: what a CUDA graph or a host far ahead would see), which clock bound
+the winner, and its speedup over plain PyTorch (BASELINE, timed at every point, never chosen).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from dispatch.contracts import shapes
+
+NOISE = 0.03  # backends within 3% of the cheapest are tied: the preferred one wins
+# ties go to the reference first, then to the backends that compile least
+PREFERENCE = ("eager", "cublaslt", "triton", "inductor", "nvfuser")
+BASELINE = "pytorch"  # F.dropout(act(x + b), p) / act(F.linear(x, w, b)): what a user writes
+MODES = ("inference", "training")
+# Families in priority order (what real models run most: training, then serving). The run always serves
+# the family furthest behind its share of the budget, so the order only breaks ties.
+FAMILY_ORDER = (
+    ("training", "bias_act_dropout", True),
+    ("training", "fused_linear", False),
+    ("inference", "fused_linear", False),
+    ("inference", "bias_act_dropout", False),
+    ("training", "bias_act_dropout", False),
+    ("inference", "bias_act_dropout", True),
+)
+
+# Activations of a class share one measured timing and are each parity-checked on their own. The first
+# class is measured first: gelu for bias_act_dropout (GPT-2, BERT, ViT MLPs) and identity for
+# fused_linear (every down and attention projection). fused_linear splits its cheap activations from
+# the transcendental ones: eager runs the activation's gradient as its own pass, 2x dearer for gelu_tanh
+# than for relu in bf16 training at 8192 x 3072 x 768 on the H200 (1.75 vs 0.81 ms).
+CLASSES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "bias_act_dropout": (("gelu", "gelu_tanh", "silu"), ("relu", "identity", "leaky_relu", "squared_relu")),
+    "fused_linear": (("identity",), ("gelu_tanh", "gelu", "silu"), ("relu", "leaky_relu", "squared_relu")),
+}
+# float16 shares bfloat16's timings on a GPU (each of its cells parity-checked in float16): the same
+# kernels at the same width; in the 2026-11-30 H200 table the two agreed in 1126 of 1134 cells.
+SHARED_DTYPES = {torch.bfloat16: (torch.float16,)}
+
+# Feature sizes in priority order (a run stopped by its budget has the first ones): N for
+# bias_act_dropout, (N, K) = (out, in) for fused_linear. N spans 768-28672 and K 384-14336.
+FEATURES = {
+    "bias_act_dropout": [(3072,), (768,), (4096,), (14336,), (28672,)],  # GPT-2 MLP and hidden, LLaMA
+    "fused_linear": [
+        (3072, 768),  # GPT-2 / BERT / ViT-B up
+        (11008, 4096),  # LLaMA-2-7B up
+        (768, 3072),  # GPT-2 / BERT / ViT-B down
+        (4096, 14336),  # LLaMA-3-8B / Mistral-7B down
+        (28672, 8192),  # LLaMA-2/3-70B up
+        (1536, 384),  # MiniLM / DeiT-S up
+    ],
+}
+QUICK_FEATURES = {
+    "cuda": {"bias_act_dropout": [(3072,), (4096,), (14336,)], "fused_linear": [(3072, 768), (11008, 4096)]},
+    "cpu": {"bias_act_dropout": [(3072,), (768,)], "fused_linear": [(3072, 768), (768, 3072)]},
+}
+
+
+@dataclass
+class Plan:
+    device: torch.device
+    quick: bool
+    dtypes: tuple[torch.dtype, ...]  # measured; SHARED_DTYPES' members follow them (GPU only)
+    shared: dict[torch.dtype, tuple[torch.dtype, ...]]
+    features: dict[str, list[tuple[int, ...]]]
+    tokens: tuple[int, ...]  # the coarse grid of M; bisection adds points between
+    ratio: float  # bisect while neighbours with different winners are further apart than this in M
+    max_elements: int  # M * N cap of a bias_act_dropout point
+    max_macs: int  # M * N * K cap of a fused_linear point (bf16/fp16; float32 on a GPU gets 1/8)
+    rounds: int  # interleaved timing rounds per point
+    budget_s: float
+
+    def m_cap(self, op: str, features: tuple[int, ...], dtype: torch.dtype) -> int:
+        cap = self.max_elements if op == "bias_act_dropout" else self.max_macs
+        if op == "fused_linear" and dtype == torch.float32 and self.device.type == "cuda":
+            cap //= 8  # float32 GEMMs run at 1/8-1/15 of bf16's rate on an H200 (67 vs ~990 TFLOP/s)
+        m = 2 ** max(0, math.floor(math.log2(max(cap // math.prod(features), 1))))
+        return min(m, max(self.tokens))
+
+    def grid(self, op: str, features: tuple[int, ...], dtype: torch.dtype) -> list[int]:
+        cap = self.m_cap(op, features, dtype)
+        return sorted({t for t in self.tokens if t < cap} | {cap})
+
+    def check_cap(self, op: str, features: tuple[int, ...]) -> int:
+        """The largest M a parity check runs at: the float64 reference and eager's dropout (the RNG spec
+        in int64 tensor ops, 95 ms a call at 65536 x 4096) cost 10-100x the timed call."""
+        per_row = math.prod(features)
+        return max(1, (2**24 if op == "bias_act_dropout" else 2**34) // per_row)
+
+
+def default_plan(device: torch.device, quick: bool, budget: Optional[float]) -> Plan:
+    """On a GPU a point holds at most 2**28 elements (0.5 GiB in bf16, ~0.3 ms a pass) or 2**40
+    multiply-adds (~2 ms forward in bf16, so 70B-wide layers reach M = 4096); on a CPU far less."""
+    gpu = device.type == "cuda"
+    if quick:
+        return Plan(
+            device, True, (torch.bfloat16,) if gpu else (torch.float32,), SHARED_DTYPES if gpu else {},
+            QUICK_FEATURES["cuda" if gpu else "cpu"], (1, 64, 4096, 65536) if gpu else (1, 16, 256), 4.0,
+            2**28 if gpu else 2**18, 2**40 if gpu else 2**28, 2 if gpu else 3,
+            budget if budget is not None else (90.0 if gpu else 150.0),
+        )  # fmt: skip
+    return Plan(
+        device, False, (torch.bfloat16, torch.float32) if gpu else (torch.float32, torch.bfloat16),
+        SHARED_DTYPES if gpu else {}, FEATURES, (1, 16, 256, 4096, 65536) if gpu else (1, 16, 256, 4096),
+        2.0, 2**28 if gpu else 2**22, 2**40 if gpu else 2**30, 3,
+        budget if budget is not None else 480.0,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Family:
+    """Calls that share a budget allotment: one op, measured dtype, mode and dropout setting."""
+
+    op: str
+    dtype: torch.dtype
+    mode: str
+    dropout: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.op} {str(self.dtype)[6:]} {self.mode}{' dropout' if self.dropout else ''}"
+
+
+@dataclass
+class Series:
+    """One measured activation (``rep``) of a family and the (activation, dtype) members sharing it."""
+
+    family: Family
+    rep: str
+    members: list[tuple[str, torch.dtype]] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        f = self.family
+        return f"{f.op} {str(f.dtype)[6:]} {self.rep} {f.mode}{' dropout' if f.dropout else ''}"
+
+
+def servers(op: str, activation: str) -> frozenset[str]:
+    """The backends that declare ``activation`` for ``op``."""
+    from dispatch.registry import backends
+
+    return frozenset(n for n, b in backends().items() if op in b.ops and activation in b.activations)
+
+
+def classes(op: str, activations: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """CLASSES of ``op`` restricted to ``activations``, each led by the member served by the most
+    backends; a member served by a backend its representative lacks is measured alone (that backend's
+    timings would be missing)."""
+    listed = {a for cls in CLASSES[op] for a in cls}
+    out: list[tuple[str, ...]] = []
+    for cls in [*CLASSES[op], *((a,) for a in activations if a not in listed)]:
+        chosen = [a for a in cls if a in activations]
+        if not chosen:
+            continue
+        rep = max(chosen, key=lambda a: len(servers(op, a)))
+        shared = [a for a in chosen if a != rep and servers(op, a) <= servers(op, rep)]
+        out.append((rep, *shared))
+        out.extend((a,) for a in chosen if a != rep and a not in shared)
+    return out
+
+
+def series_of(plan: Plan, family: Family, activations: tuple[str, ...]) -> list[Series]:
+    out = []
+    for cls in classes(family.op, activations):
+        members = [(a, family.dtype) for a in cls[1:]]
+        members += [(a, d) for d in plan.shared.get(family.dtype, ()) for a in cls]
+        out.append(Series(family, cls[0], members))
+    return out
+
+
+def spread(items: list) -> list:
+    """``items`` reordered so every prefix covers the range evenly: middle, ends, then largest gaps."""
+    n = len(items)
+    if n <= 2:
+        return list(items)
+    chosen = [n // 2]
+    while len(chosen) < n:
+        chosen.append(
+            max((i for i in range(n) if i not in chosen), key=lambda i: (min(abs(i - c) for c in chosen), -i))
+        )
+    return [items[i] for i in chosen]
+
+
+# ----------------------------------------------------------------------------- the decision rule
+
+
+def costs(point: dict) -> dict[str, float]:
+    """Each backend's cost at a point, max(gpu_us, host_us); the baseline is no backend."""
+    gpu, host = point.get("gpu_us", {}), point.get("host_us", {})
+    return {n: max(gpu[n], host[n]) for n in gpu if n in host and n != BASELINE}
+
+
+def rank(values: dict[str, float]) -> list[str]:
+    """Names best first: among those within NOISE of the smallest value the preferred one wins, the
+    rest follow by value."""
+    best = min(values.values())
+    pref = {n: (PREFERENCE.index(n) if n in PREFERENCE else len(PREFERENCE), n) for n in values}
+    winner = min((n for n in values if values[n] <= best * (1 + NOISE)), key=pref.__getitem__)
+    return [winner] + sorted((n for n in values if n != winner), key=lambda n: (values[n], pref[n]))
+
+
+def winner(point: dict) -> Optional[str]:
+    c = costs(point)
+    return rank(c)[0] if c else None
+
+
+def bound(point: dict, name: str) -> str:
+    """Which clock sets ``name``'s cost at ``point``."""
+    return "host" if point["host_us"][name] > point["gpu_us"][name] else "gpu"
+
+
+def runs(points: list[dict], by_clock: bool = False) -> list[tuple[str, list[dict]]]:
+    """Consecutive points (by M) with one winner (and, ``by_clock``, one clock binding it)."""
+    out: list[tuple[str, list[dict]]] = []
+    last = None
+    for p in sorted((p for p in points if costs(p)), key=lambda p: p["m"]):
+        w = winner(p)
+        key = (w, bound(p, w) if by_clock else None)
+        if out and key == last:
+            out[-1][1].append(p)
+        else:
+            out.append((w, [p]))
+        last = key
+    return out
+
+
+def segment(m_from: int, name: str, points: list[dict]) -> dict:
+    """A segment won by ``name`` over ``points``; its numbers come from the closest call among them."""
+
+    def margin(p: dict) -> float:
+        c = costs(p)
+        others = [v for n, v in c.items() if n != name]
+        return min(others) / c[name] - 1 if others else math.inf
+
+    tight = min(points, key=margin)
+    c = costs(tight)
+    order = rank(c)
+    runner = order[1] if len(order) > 1 else None
+    gpu, host = tight["gpu_us"], tight["host_us"]
+    base = [p for p in points if BASELINE in p["gpu_us"] and BASELINE in p["host_us"]]
+    speedups = [max(p["gpu_us"][BASELINE], p["host_us"][BASELINE]) / costs(p)[name] for p in base]
+    errors = [p["err"][name] for p in points if name in p.get("err", {})]
+    shown = [n for n in (name, runner) if n]
+    seg = {
+        "m_from": m_from, "backend": name, "runner_up": runner,
+        "margin": round(margin(tight), 4) if runner else None,
+        "speedup": round(min(speedups), 4) if speedups else None,
+        "m": tight["m"], "clock": bound(tight, name),
+        "gpu_backend": rank({n: gpu[n] for n in c})[0],
+        "gpu_us": {n: gpu[n] for n in shown}, "host_us": {n: host[n] for n in shown},
+    }  # fmt: skip
+    if tight in base:
+        seg["pytorch_us"] = {"gpu": gpu[BASELINE], "host": host[BASELINE]}
+    seg["errors"] = {name: max(errors)} if errors else {}
+    return seg
+
+
+def fit(points: list[dict]) -> list[dict]:
+    """Segments along M: a new one where the winner, or the clock that binds it, changes, from the
+    geometric middle of the two points that bracket the change (so explain() names the clock that
+    held at every measured point of the segment)."""
+    segments, prev = [], 0
+    for name, pts in runs(points, by_clock=True):
+        m_from = 1 if not segments else max(prev + 1, math.ceil(math.sqrt(prev * pts[0]["m"])))
+        segments.append(segment(m_from, name, pts))
+        prev = pts[-1]["m"]
+    return segments
+
+
+# ----------------------------------------------------------------------------- where to measure
+
+PRUNE = 0.3  # timed at two or more points and this much dearer than the cheapest at each: dropped
+HOPELESS = 2.0  # more than this times the cheapest at a series' first point: dropped at once
+
+
+def contenders(names: list[str], points: dict[int, dict]) -> list[str]:
+    """``names`` less the backends this series has seen lose clearly: dearer than the cheapest by PRUNE
+    at two or more points, or, at the first point (the largest M, where host cost weighs least), by
+    HOPELESS with a host cost no lower than the cheapest's, so that the smaller M where host cost weighs
+    more cannot favour it. Eager, the reference, is always timed. (On the H200 this drops the
+    traced-Philox dropout of nvfuser and inductor, 7-200x triton's time, after one point; nvfuser
+    recompiles at each new M, 1-3 s a point.)"""
+    keep = []
+    for name in names:
+        seen = [p for p in points.values() if name in costs(p)]
+        beaten = len(seen) >= 2 and all(costs(p)[name] > (1 + PRUNE) * min(costs(p).values()) for p in seen)
+        if name in ("eager", BASELINE) or not (beaten or (len(seen) == 1 and _hopeless(name, seen[0]))):
+            keep.append(name)
+    return keep
+
+
+def _hopeless(name: str, p: dict) -> bool:
+    c = costs(p)
+    best = min(c, key=c.__getitem__)
+    return c[name] > HOPELESS * c[best] and p["host_us"][name] >= p["host_us"][best]
+
+
+def hopeless_in(points: list[dict]) -> set[str]:
+    """Backends (never eager) hopeless at every point where they were timed: a series' first feature size
+    drops them from its later sizes (they would cost their first calls again)."""
+    timed = [p for p in points if costs(p)]
+    names = {n for p in timed for n in costs(p)} - {"eager"}
+    return {n for n in names if all(_hopeless(n, p) for p in timed if n in costs(p))}
+
+
+def to_bisect(points: dict[int, dict], ratio: float) -> list[int]:
+    """New M between neighbouring measured points whose winners differ and that are still far apart."""
+    ms = sorted(m for m, p in points.items() if costs(p))
+    new = []
+    for a, b in itertools.pairwise(ms):
+        if winner(points[a]) != winner(points[b]) and b / a > ratio and b - a > 1:
+            mid = round(math.sqrt(a * b))
+            # a multiple of 16 where one lies between: Triton specializes integer arguments on
+            # divisibility by 16, so the kernels compiled ahead for the grid serve it
+            if mid > 16 and (a // 16 + 1) * 16 < b:
+                mid = min(max(round(mid / 16) * 16, (a // 16 + 1) * 16), (b - 1) // 16 * 16)
+            new.append(min(max(mid, a + 1), b - 1))
+    return new
+
+
+def held_out_ms(measured: list[int], cap: int, key: str) -> list[int]:
+    """One token count for the self-check: a real-model token count or midpoint not measured."""
+    mids = {round(math.sqrt(a * b)) for a, b in itertools.pairwise(measured)}
+    pool = sorted(m for m in (set(shapes.TOKENS) | mids) - set(measured) if 1 <= m <= cap)
+    return random.Random(key).sample(pool, min(1, len(pool)))

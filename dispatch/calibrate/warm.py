@@ -1,0 +1,126 @@
+"""Compiling ahead, in worker processes, the calls a GPU calibration will make.
+
+Inductor compiles one graph per op, direction, dtype, activation, feature size and token class (M = 1
+or M >= 2), Triton one binary per kernel configuration and specialization; both keep a cache on disk,
+so workers run each kind of call once and the measuring process then loads what they compiled. On the
+H200 host inductor's compiles had been 250 of a 290 s run; ahead, a full run's 3206 calls took 94 s
+in 12 processes (859 worker-seconds). Triton is warmed for the members too: they are parity-checked
+with the winner's kernels at their own activation and dtype.
+
+Calls of one kind stay in one worker (no two compile the same graph); kinds are dealt in the run's
+priority order, so a deadline leaves the first series compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+
+from dispatch.calibrate import measure
+from dispatch.registry import backends
+
+WARMED = ("inductor", "triton")  # the backends whose compiles land in a cache other processes read
+
+
+def jobs(work: list, plan, only) -> list[list]:
+    """[backend, op, dtype, activation, training, dropout, m, features] for each warm-up call."""
+    out = []
+    for s, features in work:
+        f = s.family
+        grid = plan.grid(f.op, features, f.dtype)
+        for name in WARMED:
+            b = backends().get(name)
+            if b is None or (only is not None and name not in only):
+                continue
+            ms = grid if name == "triton" else sorted({grid[0], grid[-1]})  # inductor: dynamic M
+            for act, dtype in [(s.rep, f.dtype)] + (s.members if name == "triton" else []):
+                for m in ms:
+                    case = measure.Case(
+                        f.op, dtype, act, f.mode == "training", f.dropout, m, features, plan.device
+                    )
+                    if not b.not_supported_reasons(case.call(), explicit=False):
+                        out.append(
+                            [name, f.op, str(dtype)[6:], act, case.training, f.dropout, m, list(features)]
+                        )
+    return out
+
+
+def warm(todo: list[list], workers: int, deadline_s: float, device: torch.device) -> dict:
+    """Runs ``todo`` in ``workers`` processes, stopping them at ``deadline_s``. Returns a summary."""
+    start = time.monotonic()
+    kinds: dict[tuple, list[list]] = defaultdict(list)
+    for j in todo:
+        kinds[(j[0], j[1], j[2], j[3], j[4], j[5], tuple(j[7]))].append(j)
+    chunks: list[list[list]] = [[] for _ in range(max(1, workers))]
+    for group in kinds.values():  # dict order: the run's priority order
+        min(chunks, key=len).extend(group)
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    lines, stopped, errors = [], 0, []
+    with tempfile.TemporaryDirectory(prefix="fusedispatch-warm-") as folder:
+        procs = []
+        for i, chunk in enumerate(c for c in chunks if c):
+            path = os.path.join(folder, f"jobs-{i}.json")
+            with open(path, "w") as f:
+                json.dump({"device": str(device), "jobs": chunk}, f)
+            with open(path + ".err", "w") as err:
+                cmd = [sys.executable, "-m", "dispatch.calibrate.warm", path]
+                procs.append((path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)))
+        for path, p in procs:
+            try:
+                p.wait(timeout=max(deadline_s - (time.monotonic() - start), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                stopped += 1
+            if os.path.exists(path + ".out"):
+                with open(path + ".out") as f:
+                    lines += f.read().splitlines()
+            if p.returncode not in (0, -9):
+                with open(path + ".err") as f:
+                    tail = [ln for ln in f.read().splitlines() if ln.strip()][-1:]
+                errors.append(f"worker exited with {p.returncode}: {tail[0] if tail else ''}"[:300])
+    seconds: dict[str, float] = defaultdict(float)
+    for line in lines:
+        if line.startswith("warmed "):
+            _, name, s = line.split()
+            seconds[name] += float(s)
+    return {
+        "calls": len(todo), "workers": len(procs), "seconds": round(time.monotonic() - start, 1),
+        "worker_seconds": {n: round(t, 1) for n, t in sorted(seconds.items())},
+        "failed_calls": sum(ln.startswith("failed") for ln in lines), "stopped_at_deadline": stopped,
+        "worker_errors": errors,
+    }  # fmt: skip
+
+
+def _worker(path: str) -> None:
+    """Runs each job of the JSON file ``path`` once, one line each to ``path + '.out'``."""
+    with open(path) as f:
+        spec = json.load(f)
+    device = torch.device(spec["device"])
+    with open(path + ".out", "w") as out:
+        for name, op, dtype, act, training, dropout, m, features in spec["jobs"]:
+            start = time.monotonic()
+            try:
+                case = measure.Case(
+                    op, getattr(torch, dtype), act, training, dropout, m, tuple(features), device
+                )
+                measure.run_once(name, case, measure.make_inputs(case, 0))
+                out.write(f"warmed {name} {time.monotonic() - start:.3f}\n")
+            except Exception as exc:  # the measuring process meets it again and records it
+                out.write(f"failed {name} {op} {act} {m} {measure.failure(exc)}\n")
+            out.flush()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
