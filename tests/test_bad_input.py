@@ -11,6 +11,7 @@ from dispatch.backends.eager import fused_linear as eager_linear
 from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear
 from dispatch.registry import Call, backends
 from dispatch.contracts.tolerances import check
+from harness import COMPILING, grads, require_call
 
 N, K = 8, 6  # x is (4, N) for bias_act_dropout, (4, K) for fused_linear with weight (N, K)
 
@@ -199,10 +200,6 @@ def test_device_mismatch_on_gpu():
 # ----------------------------------------------------------------------------- empty inputs
 
 
-def _grads(y, leaves, grad_y):
-    return torch.autograd.grad(y, leaves, grad_y.to(y.dtype), allow_unused=True)
-
-
 @pytest.mark.parametrize("p", (0.0, 0.3))
 @pytest.mark.parametrize("shape", ((0, 5), (3, 0), (2, 0, 5), (0,)), ids=str)
 def test_bias_act_dropout_empty(shape, p, device):
@@ -210,7 +207,7 @@ def test_bias_act_dropout_empty(shape, p, device):
     bias = torch.randn(shape[-1], device=device, requires_grad=True)
     y = fused_bias_act_dropout(x, bias, "gelu", p)
     assert y.shape == shape and y.numel() == 0
-    grad_x, grad_bias = _grads(y, (x, bias), torch.randn(shape, device=device))
+    grad_x, grad_bias = grads(y, (x, bias), torch.randn(shape, device=device), allow_unused=True)
     assert grad_x.shape == shape
     assert torch.equal(grad_bias, torch.zeros_like(bias))
 
@@ -229,19 +226,13 @@ def test_fused_linear_empty(x_shape, n, activation, device):
     check("y", y.detach(), ref.detach())
     for name, g, r in zip(
         ("grad_x", "grad_weight", "grad_bias"),
-        _grads(y, (x, weight, bias), grad_y),
-        _grads(ref, leaves, grad_y),
+        grads(y, (x, weight, bias), grad_y, allow_unused=True),
+        grads(ref, leaves, grad_y, allow_unused=True),
     ):
         check(name, g, torch.zeros_like(r) if r is None else r)
 
 
 # ----------------------------------------------------------------------------- strides
-
-
-def _require(backend: str, call: Call) -> None:
-    reasons = backends()[backend].not_supported_reasons(call)
-    if reasons:
-        pytest.skip("; ".join(reasons))
 
 
 def _grad_through(layout, grad_layout, op, leaves, grad_shape):
@@ -266,11 +257,9 @@ GRAD_LAYOUTS = {
 }
 
 
-COMPILING = frozenset({"inductor", "nvfuser"})  # every layout is a new compile: 1-10 s on a small CPU
-
-
 def _layout_cases(*axes: tuple) -> list:
-    """backend x the product of ``axes``; a compiling backend runs the first combination only."""
+    """backend x the product of ``axes``; a compiling backend runs the first combination only (every
+    layout is a new compile: 1-10 s on a small CPU)."""
     combos = [()]
     for axis in axes:
         combos = [c + (v,) for c in combos for v in axis]
@@ -292,7 +281,7 @@ def test_bias_act_dropout_strides(backend, x_layout, grad_layout, device):
     x_leaf = torch.randn(leaf_shape(N), device=device, requires_grad=True)
     bias_leaf = torch.randn(2 * N, device=device, requires_grad=True)
     x_shape = make_x(x_leaf).shape
-    _require(
+    require_call(
         backend,
         Call("bias_act_dropout", x_leaf.device, torch.float32, (x_shape.numel() // N, N), "gelu", True, True),
     )
@@ -336,7 +325,7 @@ def test_fused_linear_strides(backend, x_layout, w_layout, grad_layout, device):
         torch.randn(w_shape, device=device, requires_grad=True),
         torch.randn(1, device=device, requires_grad=True),  # bias: stride 0
     ]
-    _require(backend, Call("fused_linear", leaves[0].device, torch.float32, (M, N, K), "gelu", False, True))
+    require_call(backend, Call("fused_linear", leaves[0].device, torch.float32, (M, N, K), "gelu", False, True))
 
     def op(x, weight, bias):
         return fused_linear(x, weight, bias, "gelu", backend=backend)

@@ -6,28 +6,26 @@ cases draw ``rng`` from a seeded generator, so the reference applies the very sa
 
 from __future__ import annotations
 
-import math
-from typing import Optional
-
 import pytest
 import torch
 
-from dispatch.backends.eager import bias_act_dropout as eager_op
 from dispatch import ACTIVATION_NAMES, fused_bias_act_dropout
-from dispatch.contracts import rng as dropout_rng
-from dispatch.registry import Call, backends
+from dispatch.registry import backends
 from dispatch.contracts.tolerances import check
+from harness import (
+    BIAS_ACT_DROPOUT_GRADS,
+    DTYPES,
+    bias_act_dropout_call,
+    cpu_budget,
+    each_backend,
+    reference_bias_act_dropout,
+    require_call,
+    run_bias_act_dropout,
+)
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SMALL_SHAPES = ((7,), (1, 1), (3, 5, 24))
 BIG_SHAPE = (1823, 781)
 GEN_SEED = 20260501
-COMPILING = frozenset({"inductor", "nvfuser"})  # each new kind of call compiles: 1-10 s on a small CPU
-
-
-def cpu_budget(backend: str, on_cpu: bool) -> tuple:
-    """Marks that keep a compiling backend's case off CPU CI (it still runs with -m gpu)."""
-    return () if on_cpu or backend not in COMPILING else (pytest.mark.gpu,)
 
 
 def _id(backend: str, dtype: torch.dtype, activation: str, shape: tuple, p: float) -> str:
@@ -66,64 +64,19 @@ def grid(backend: str) -> list:
     return params
 
 
-def _each_backend(make) -> list:
-    return [
-        pytest.param(name, *case.values, id=case.id, marks=case.marks)
-        for name in backends()
-        for case in make(name)
-    ]
-
-
 def require(backend: str, x: torch.Tensor, activation: str, dropout: bool, training: bool = True) -> None:
     """Skips with the backend's own reasons when it cannot serve this call."""
-    call = Call(
-        "bias_act_dropout",
-        x.device,
-        x.dtype,
-        (math.prod(x.shape[:-1]), x.shape[-1]),
-        activation,
-        dropout,
-        training,
-    )
-    reasons = backends()[backend].not_supported_reasons(call)
-    if reasons:
-        pytest.skip("; ".join(reasons))
+    require_call(backend, bias_act_dropout_call(x, activation, dropout, training))
 
 
-def run(
-    backend: str,
-    x: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    activation: str,
-    p: float,
-    grad_y: torch.Tensor,
-) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+def run(backend: str, x, bias, activation: str, p: float, grad_y):
     """Output and input gradients of the public op on ``backend`` (a fresh generator seeded GEN_SEED)."""
-    gen = torch.Generator(device=x.device).manual_seed(GEN_SEED)
-    y = fused_bias_act_dropout(x, bias, activation, p, generator=gen, backend=backend)
-    inputs = [t for t in (x, bias) if t is not None and t.requires_grad]
-    grads = torch.autograd.grad(y, inputs, grad_y) if inputs else ()
-    found = iter(grads)
-    return y, [next(found) if t is not None and t.requires_grad else None for t in (x, bias)]
+    return run_bias_act_dropout(backend, x, bias, activation, p, grad_y, GEN_SEED)
 
 
-def reference(
-    x: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    activation: str,
-    p: float,
-    grad_y: torch.Tensor,
-    upcast: bool,
-) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+def reference(x, bias, activation: str, p: float, grad_y, upcast: bool):
     """The reference's output and gradients for the same mask as ``run``."""
-    rng = None
-    if p > 0:
-        rng = dropout_rng.draw_for(x, torch.Generator(device=x.device).manual_seed(GEN_SEED))  # as the op draws
-    leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (x, bias)]
-    y = eager_op.reference(leaves[0], leaves[1], activation, p, rng, upcast=upcast)
-    inputs = [t for t in leaves if t is not None and t.requires_grad]
-    grads = iter(torch.autograd.grad(y, inputs, grad_y.to(y.dtype)) if inputs else ())
-    return y, [next(grads) if t is not None and t.requires_grad else None for t in leaves]
+    return reference_bias_act_dropout(x, bias, activation, p, grad_y, upcast, GEN_SEED)
 
 
 def assert_parity(backend: str, x, bias, activation: str, p: float, grad_y) -> None:
@@ -135,13 +88,13 @@ def assert_parity(backend: str, x, bias, activation: str, p: float, grad_y) -> N
         base, base_grads = run("eager", x, bias, activation, p, grad_y)
     assert y.dtype == x.dtype and y.shape == x.shape
     check("y", y.detach(), ref.detach(), base.detach())
-    for name, g, r, b, t in zip(("grad_x", "grad_bias"), grads, ref_grads, base_grads, (x, bias)):
+    for name, g, r, b, t in zip(BIAS_ACT_DROPOUT_GRADS, grads, ref_grads, base_grads, (x, bias)):
         if t is not None and t.requires_grad:
             assert g.dtype == t.dtype, f"{name} has dtype {g.dtype}, input has {t.dtype}"
             check(name, g, r, b)
 
 
-@pytest.mark.parametrize("backend, dtype, activation, shape, p", _each_backend(grid))
+@pytest.mark.parametrize("backend, dtype, activation, shape, p", each_backend(grid))
 def test_matches_reference(backend, dtype, activation, shape, p, device):
     x = torch.randn(shape, device=device).mul_(2).to(dtype).requires_grad_()
     bias = torch.randn(shape[-1], device=device).to(dtype).requires_grad_()

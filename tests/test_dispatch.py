@@ -20,6 +20,7 @@ from dispatch import explain, fused_bias_act_dropout, fused_linear, registry, us
 from dispatch import select as select_mod
 from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.registry import Backend
+from harness import register
 
 ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
@@ -78,10 +79,8 @@ def _setenv(monkeypatch, name: str) -> None:
 
 @pytest.fixture
 def fake(monkeypatch) -> Backend:
-    registry.backends()
     backend = _double("fake")
-    monkeypatch.setitem(registry._BACKENDS, "fake", backend)
-    monkeypatch.setitem(registry._BACKENDS, "picky", _double("picky", {torch.float64}))
+    register(monkeypatch, backend, _double("picky", {torch.float64}))
     return backend
 
 
@@ -188,9 +187,8 @@ def test_argument_beats_use_backend(fake, device):
 def test_fused_linear_takes_infer_without_autograd(monkeypatch, device):
     """Calls without autograd take the backend's infer where it has one (resolved once per decision),
     calls with autograd its forward; without infer, forward's y (test_argument_beats_use_backend)."""
-    registry.backends()
     backend = dataclasses.replace(_double("inferring"), ops={"fused_linear": InferRecorder(eager_linear)})
-    monkeypatch.setitem(registry._BACKENDS, "inferring", backend)
+    register(monkeypatch, backend)
     x = torch.randn(2, 3, 16, device=device)
     w = torch.randn(5, 16, device=device, requires_grad=True)
     with use_backend("inferring"):

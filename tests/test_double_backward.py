@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dispatch import ACTIVATION_NAMES, fused_bias_act_dropout, fused_linear
-from dispatch.registry import Call, backends
+from dispatch.registry import Call
+from harness import require_call
 
 M, N, K = 5, 7, 4  # bias_act_dropout: x (M, N); fused_linear: x (M, K), weight (3, K)
 N_LINEAR = 3
@@ -91,12 +92,6 @@ def test_gradient_penalty_keeps_its_second_order_term():
 # ----------------------------------------------------------------------------- the other backends
 
 
-def _require(backend: str, call: Call) -> None:
-    reasons = backends()[backend].not_supported_reasons(call)
-    if reasons:
-        pytest.skip("; ".join(reasons))
-
-
 def _first_and_second(op, leaves, grad_y):
     """First-order gradients with a graph, then the gradients of a penalty on them in every leaf and
     in grad_y: y's weighted sum plus the squared first-order gradients."""
@@ -135,7 +130,7 @@ def test_bias_act_dropout_double_backward_matches_eager(backend, activation, dev
     p = 0.0 if backend == "inductor" else 0.3
     shape = (2, 3, N)
     call = Call("bias_act_dropout", torch.device(device), torch.float32, (6, N), activation, p > 0, True)
-    _require(backend, call)
+    require_call(backend, call)
     leaves = [_leaf(*shape, dtype=torch.float32, device=device), _leaf(N, dtype=torch.float32, device=device)]
 
     def op_of(chosen):
@@ -149,7 +144,7 @@ def test_bias_act_dropout_double_backward_matches_eager(backend, activation, dev
 )
 def test_fused_linear_double_backward_matches_eager(backend, activation, device):
     call = Call("fused_linear", torch.device(device), torch.float32, (6, N, K), activation, False, True)
-    _require(backend, call)
+    require_call(backend, call)
     leaves = [
         _leaf(2, 3, K, dtype=torch.float32, device=device),
         _leaf(N, K, dtype=torch.float32, device=device),

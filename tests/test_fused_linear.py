@@ -5,29 +5,30 @@ Cases come from the registry; a backend that cannot serve one skips it with its 
 
 from __future__ import annotations
 
-import math
-from typing import Optional
-
 import pytest
 import torch
 
 from dispatch.backends.eager import fused_linear as eager_op
 from dispatch import ACTIVATION_NAMES, fused_linear
-from dispatch.registry import Call, backends
+from dispatch.registry import backends
 from dispatch.select import clear_cache
 from dispatch.contracts.tolerances import check
+from harness import (
+    COMPILING,
+    DTYPES,
+    FUSED_LINEAR_GRADS,
+    cpu_budget,
+    each_backend,
+    fused_linear_call,
+    fused_linear_inputs,
+    reference_fused_linear,
+    require_call,
+    run_fused_linear,
+)
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # x's shape (..., K) and out_features N
 SMALL_SHAPES = (((7,), 5), ((1, 1), 1), ((3, 5, 24), 17))
 BIG_SHAPE = ((1823, 781), 129)
-NAMES = ("grad_x", "grad_weight", "grad_bias")
-COMPILING = frozenset({"inductor", "nvfuser"})  # each new kind of call compiles: 1-10 s on a small CPU
-
-
-def cpu_budget(backend: str, on_cpu: bool) -> tuple:
-    """Marks that keep a compiling backend's case off CPU CI (it still runs with -m gpu)."""
-    return () if on_cpu or backend not in COMPILING else (pytest.mark.gpu,)
 
 
 def _id(backend: str, dtype: torch.dtype, activation: str, shape: tuple) -> str:
@@ -64,67 +65,30 @@ def grid(backend: str) -> list:
     return params
 
 
-def _each_backend(make) -> list:
-    return [
-        pytest.param(name, *case.values, id=case.id, marks=case.marks)
-        for name in backends()
-        for case in make(name)
-    ]
-
-
 def require(backend: str, x: torch.Tensor, n: int, activation: str, training: bool = True) -> None:
     """Skips with the backend's own reasons when it cannot serve this call."""
-    shape = (math.prod(x.shape[:-1]), n, x.shape[-1])
-    call = Call("fused_linear", x.device, x.dtype, shape, activation, False, training)
-    reasons = backends()[backend].not_supported_reasons(call)
-    if reasons:
-        pytest.skip("; ".join(reasons))
-
-
-def _grads(y, leaves, grad_y) -> list[Optional[torch.Tensor]]:
-    inputs = [t for t in leaves if t is not None and t.requires_grad]
-    found = iter(torch.autograd.grad(y, inputs, grad_y.to(y.dtype)) if inputs else ())
-    return [next(found) if t is not None and t.requires_grad else None for t in leaves]
-
-
-def run(backend: str, x, weight, bias, activation: str, grad_y) -> tuple[torch.Tensor, list]:
-    y = fused_linear(x, weight, bias, activation, backend=backend)
-    return y, _grads(y, (x, weight, bias), grad_y)
-
-
-def reference(x, weight, bias, activation: str, grad_y, upcast: bool) -> tuple[torch.Tensor, list]:
-    leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (x, weight, bias)]
-    y = eager_op.reference(*leaves, activation, upcast=upcast)
-    return y, _grads(y, leaves, grad_y)
+    require_call(backend, fused_linear_call(x, n, activation, training))
 
 
 def assert_parity(backend: str, x, weight, bias, activation: str, grad_y) -> None:
-    y, grads = run(backend, x, weight, bias, activation, grad_y)
-    ref, ref_grads = reference(x, weight, bias, activation, grad_y, upcast=True)
+    y, grads = run_fused_linear(backend, x, weight, bias, activation, grad_y)
+    ref, ref_grads = reference_fused_linear(x, weight, bias, activation, grad_y, upcast=True)
     if backend == "eager":  # plain PyTorch in the same dtype sets the bar for the reference backend itself
-        base, base_grads = reference(x, weight, bias, activation, grad_y, upcast=False)
+        base, base_grads = reference_fused_linear(x, weight, bias, activation, grad_y, upcast=False)
     else:
-        base, base_grads = run("eager", x, weight, bias, activation, grad_y)
+        base, base_grads = run_fused_linear("eager", x, weight, bias, activation, grad_y)
     assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], weight.shape[0])
     check("y", y.detach(), ref.detach(), base.detach())
-    for name, g, r, b, t in zip(NAMES, grads, ref_grads, base_grads, (x, weight, bias)):
+    for name, g, r, b, t in zip(FUSED_LINEAR_GRADS, grads, ref_grads, base_grads, (x, weight, bias)):
         if t is not None and t.requires_grad:
             assert g.dtype == t.dtype, f"{name} has dtype {g.dtype}, input has {t.dtype}"
             check(name, g, r, b)
 
 
-def _inputs(x_shape, n, dtype, device, needs=(True, True, True)):
-    k = x_shape[-1]
-    x = torch.randn(x_shape, device=device).to(dtype).requires_grad_(needs[0])
-    weight = (torch.randn(n, k, device=device) / math.sqrt(k)).to(dtype).requires_grad_(needs[1])
-    bias = None if needs[2] is None else torch.randn(n, device=device).to(dtype).requires_grad_(needs[2])
-    return x, weight, bias
-
-
-@pytest.mark.parametrize("backend, dtype, activation, shape", _each_backend(grid))
+@pytest.mark.parametrize("backend, dtype, activation, shape", each_backend(grid))
 def test_matches_reference(backend, dtype, activation, shape, device):
     x_shape, n = shape
-    x, weight, bias = _inputs(x_shape, n, dtype, device)
+    x, weight, bias = fused_linear_inputs(x_shape, n, dtype, device)
     require(backend, x, n, activation)
     grad_y = torch.randn(*x_shape[:-1], n, device=device).to(dtype)
     assert_parity(backend, x, weight, bias, activation, grad_y)
@@ -155,7 +119,7 @@ def _subset_cases() -> list:
 @pytest.mark.parametrize("backend, activation, subset", _subset_cases())
 def test_gradient_subsets(backend, activation, subset, device):
     needs = SUBSETS[subset]
-    x, weight, bias = _inputs((3, 5, 24), 17, torch.float32, device, needs)
+    x, weight, bias = fused_linear_inputs((3, 5, 24), 17, torch.float32, device, needs)
     require(backend, x, 17, activation, training=any(needs))
     assert_parity(backend, x, weight, bias, activation, torch.randn(3, 5, 17, device=device))
 
@@ -166,23 +130,23 @@ def test_eager_training_path(activation, dtype, device, monkeypatch):
     """Eager calls with autograd run under torch's own autograd where the activation has PyTorch kernels
     both ways (no Python Function node in the graph), through the Function otherwise; the two paths give
     the same outputs and gradients within the dtype's tolerance."""
-    x, weight, bias = _inputs((37, 24), 19, dtype, device)
+    x, weight, bias = fused_linear_inputs((37, 24), 19, dtype, device)
     grad_y = torch.randn(37, 19, device=device)
-    y, grads = run("eager", x, weight, bias, activation, grad_y)
+    y, grads = run_fused_linear("eager", x, weight, bias, activation, grad_y)
     act = eager_op.ACTIVATIONS[activation]
     native = act.native and act.backward is not None
     assert ("FusedLinearBackward" != type(y.grad_fn).__name__) == native, type(y.grad_fn).__name__
     monkeypatch.setattr(eager_op, "differentiable", lambda activation: None)
     clear_cache()  # the path is resolved once per decision
     try:
-        y_fn, grads_fn = run("eager", x, weight, bias, activation, grad_y)
+        y_fn, grads_fn = run_fused_linear("eager", x, weight, bias, activation, grad_y)
     finally:
         monkeypatch.undo()
         clear_cache()
     assert type(y_fn.grad_fn).__name__ == "FusedLinearBackward"
-    ref, ref_grads = reference(x, weight, bias, activation, grad_y, upcast=True)
+    ref, ref_grads = reference_fused_linear(x, weight, bias, activation, grad_y, upcast=True)
     check("y", y.detach(), ref.detach(), y_fn.detach())
-    for name, g, r, b in zip(NAMES, grads, ref_grads, grads_fn):
+    for name, g, r, b in zip(FUSED_LINEAR_GRADS, grads, ref_grads, grads_fn):
         check(name, g, r, b)
 
 

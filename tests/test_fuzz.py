@@ -15,7 +15,7 @@ from dispatch.backends.eager import bias_act_dropout as eager_bad
 from dispatch.backends.eager import fused_linear as eager_linear
 from dispatch import ACTIVATION_NAMES, fused_bias_act_dropout, fused_linear
 from dispatch.contracts import rng as dropout_rng
-from dispatch.contracts.tolerances import check
+from harness import BIAS_ACT_DROPOUT_GRADS, FUSED_LINEAR_GRADS, check_detached, grads as leaf_grads
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LAYOUTS = ("contiguous", "transposed", "sliced", "expanded")
@@ -33,18 +33,6 @@ def _leaf_and_layout(draw, shape: tuple[int, ...], device: str):
     if layout == "expanded":
         return torch.randn(1, *shape[1:], device=device), lambda t: t.expand(shape)
     return torch.randn(shape, device=device), lambda t: t
-
-
-def _grads(y, inputs, grad_y):
-    """Gradients with respect to the op's own (strided) inputs, not the leaves they view: a leaf
-    behind an expanded view would add autograd's low-precision sum over the expanded dimension."""
-    wanted = [t for t in inputs if t is not None and t.requires_grad]
-    found = iter(torch.autograd.grad(y, wanted, grad_y.to(y.dtype)) if wanted else ())
-    return [next(found) if t is not None and t.requires_grad else None for t in inputs]
-
-
-def _compare(name: str, out, ref, base) -> None:
-    check(name, out.detach(), ref.detach(), None if base is None else base.detach())
 
 
 def _leaves(raw, dtype, needs):
@@ -84,15 +72,17 @@ def test_fuzz_bias_act_dropout(data, device):
                 else None
             )
             y = eager_bad.reference(x, bias, activation, p if dropout else 0.0, rng, upcast=upcast)
-        return y, _grads(y, (x, bias), grad_y)
+        # gradients with respect to the op's own (strided) inputs, not the leaves they view: a leaf
+        # behind an expanded view would add autograd's low-precision sum over the expanded dimension
+        return y, leaf_grads(y, (x, bias), grad_y)
 
     grad_y = torch.randn(shape, device=device)
     (y, grads), (ref, ref_grads), (base, base_grads) = run(tested, None), run(exact, True), run(plain, False)
     assert y.shape == shape and y.dtype == dtype
-    _compare("y", y, ref, base)
-    for name, g, r, b in zip(("grad_x", "grad_bias"), grads, ref_grads, base_grads):
+    check_detached("y", y, ref, base)
+    for name, g, r, b in zip(BIAS_ACT_DROPOUT_GRADS, grads, ref_grads, base_grads):
         if g is not None:
-            _compare(name, g, r, b)
+            check_detached(name, g, r, b)
 
 
 @FUZZ
@@ -116,12 +106,12 @@ def test_fuzz_fused_linear(data, device):
             y = fused_linear(x, w, bias, activation, backend="eager")
         else:
             y = eager_linear.reference(x, w, bias, activation, upcast=upcast)
-        return y, _grads(y, (x, w, bias), grad_y)
+        return y, leaf_grads(y, (x, w, bias), grad_y)
 
     grad_y = torch.randn(*lead, n, device=device)
     (y, grads), (ref, ref_grads), (base, base_grads) = run(tested, None), run(exact, True), run(plain, False)
     assert y.shape == (*lead, n) and y.dtype == dtype
-    _compare("y", y, ref, base)
-    for name, g, r, b in zip(("grad_x", "grad_weight", "grad_bias"), grads, ref_grads, base_grads):
+    check_detached("y", y, ref, base)
+    for name, g, r, b in zip(FUSED_LINEAR_GRADS, grads, ref_grads, base_grads):
         if g is not None:
-            _compare(name, g, r, b)
+            check_detached(name, g, r, b)

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from dispatch.backends.eager import bias_act_dropout as eager_bad
-from dispatch import parity, registry, select
+from dispatch import parity, select
+from dispatch.registry import backends
+from harness import eager_twin, register
 
 
 @pytest.fixture
@@ -23,7 +25,6 @@ def clean_cache():
 
 def twin(name, forward=None, backward=None):
     """A backend that is eager except for the given bias_act_dropout functions."""
-    eager = registry.get("eager")
     op = type(
         "Op",
         (),
@@ -32,16 +33,8 @@ def twin(name, forward=None, backward=None):
             "backward": staticmethod(backward or eager_bad.backward),
         },
     )
-    ops = {**eager.ops, "bias_act_dropout": op}
-    return registry.Backend(
-        name,
-        ops,
-        eager.devices,
-        frozenset({torch.float32, torch.bfloat16}),
-        eager.activations,
-        True,
-        "test twin",
-    )
+    ops = {**backends()["eager"].ops, "bias_act_dropout": op}
+    return eager_twin(name, "test twin", ops=ops, dtypes=frozenset({torch.float32, torch.bfloat16}))
 
 
 def test_quick_passes(capsys, clean_cache):
@@ -64,7 +57,7 @@ def test_wrong_forward_fails(capsys, monkeypatch, clean_cache):
     def forward(x, bias, activation, p, rng):
         return eager_bad.forward(x, bias, activation, p, rng) * 1.01
 
-    monkeypatch.setitem(registry._BACKENDS, "broken", twin("broken", forward=forward))
+    register(monkeypatch, twin("broken", forward=forward))
     assert parity.main(["--quick", "--backends", "eager", "broken"]) == 1
     out = capsys.readouterr().out
     assert "FAIL broken bias_act_dropout float32" in out and "y " in out
@@ -79,8 +72,7 @@ def test_wrong_gradient_and_crash_fail(capsys, monkeypatch, clean_cache):
     def forward(*args):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setitem(registry._BACKENDS, "badgrad", twin("badgrad", backward=backward))
-    monkeypatch.setitem(registry._BACKENDS, "crash", twin("crash", forward=forward))
+    register(monkeypatch, twin("badgrad", backward=backward), twin("crash", forward=forward))
     assert parity.main(["--quick", "--backends", "badgrad", "crash"]) == 1
     out = capsys.readouterr().out
     assert "FAIL badgrad bias_act_dropout float32" in out and "grad_bias" in out
