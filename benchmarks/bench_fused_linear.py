@@ -220,6 +220,70 @@ def rates(row: dict, M: int, N: int, K: int, mode: str) -> None:
             row[f"pct_mm:{name}"] = 100 * mm / row[key]
 
 
+# ----------------------------------------------------------------------------- breakdown
+
+BREAKDOWN_SHAPES = (("gpt2.up", 512), ("gpt2.up", 8192), ("gpt2.down", 8192), ("llama-2-7b.up", 8192))
+
+
+def breakdown_pieces(x, w, b, gy, act: str) -> dict[str, timing.Fn]:
+    """Where a training call's GPU time goes: the composite and the triton backend whole, then each of
+    their kernels alone (cuBLAS products, PyTorch's activation passes and bias-gradient sum, the
+    triton backend's bias + activation passes)."""
+    from dispatch import fused_linear
+    from dispatch.backends.triton import bias_act_dropout as triton_bad
+
+    composite = _pytorch(act)
+    a = ACTIVATIONS[act]
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    pre = F.linear(x, w, b)
+    pre0 = torch.mm(x, w.t())
+
+    def train(fn):
+        return lambda: torch.autograd.grad(fn(*leaves), leaves, gy)
+
+    pieces = {
+        "pytorch": train(composite),
+        "triton": train(lambda *t: fused_linear(*t, act, backend="triton")),
+        "three torch.mm": lambda: (torch.mm(x, w.t()), torch.mm(gy, w), torch.mm(gy.t(), x)),
+        "pytorch: addmm": lambda: torch.addmm(b, x, w.t()),
+        "pytorch: activation": lambda: a.forward(pre),
+        "pytorch: activation backward": lambda: a.backward(gy, pre),
+        "pytorch: grad_b sum": lambda: gy.sum(0),
+        "triton: bias+activation pass": lambda: triton_bad.trusted.forward(pre0, b, act, 0.0, None),
+        "triton: grad_pre + grad_b pass": lambda: triton_bad.trusted.backward(gy, pre0, b, act, 0.0, None, True, True),
+    }
+    if a.backward is None:
+        del pieces["pytorch: activation backward"]
+    return pieces
+
+
+def breakdown(args, device: torch.device) -> None:
+    """``--breakdown``: GPU time (CUDA graph) of each piece, two interleaved rounds, min; and the host
+    cost of a training call (CPU clock, the GPU queue kept busy by a sleep kernel so the host never
+    waits on it: what the host spends per call, not the GPU)."""
+    lines, result = [], []
+    for pair, M in BREAKDOWN_SHAPES:
+        K, N = PAIRS[pair]
+        x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+        w = torch.randn(N, K, device=device, dtype=torch.bfloat16) / K**0.5
+        b = torch.randn(N, device=device, dtype=torch.bfloat16)
+        gy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+        pieces = breakdown_pieces(x, w, b, gy, "gelu_tanh")
+        got: dict[str, list[float]] = {}
+        for _ in range(2):
+            for name, fn in pieces.items():
+                got.setdefault(name, []).append(timing.gpu_ms(fn, rep_ms=30) * 1e3)
+        base = min(got["pytorch"])
+        for name, us in got.items():
+            lines.append([f"{pair} M={M}", name, round(min(us), 1), round(base / min(us), 3)])
+        for name in ("pytorch", "triton"):
+            host = timing.host_ms(pieces[name], device) * 1e3
+            lines.append([f"{pair} M={M}", f"host: {name}", round(host, 1), None])
+        result += [dict(zip(("shape", "entry", "us", "x_pytorch"), line)) for line in lines[-len(got) - 2 :]]
+    common.write(args, "fused_linear_breakdown", {"rows": result}, device)
+    common.print_table(lines, ["shape", "entry", "us", "x pytorch"], title="bf16 gelu_tanh training: GPU us (CUDA graph), host us")
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -267,11 +331,16 @@ def main() -> None:
     )
     p.add_argument("--rep-ms", type=float, default=60.0, help="time per entry and clock over all rounds (ms)")
     p.add_argument("--rounds", type=int, default=timing.ROUNDS, help="interleaved rounds per row (median)")
+    p.add_argument("--breakdown", action="store_true", help="GPU time of each piece of a training call (CUDA only)")
     args = p.parse_args()
     modes = tuple(m for m in args.modes.split(",") if m)
     if not set(modes) <= set(MODES):
         p.error(f"--modes: expected some of {', '.join(MODES)}, got {args.modes!r}")
     device = common.setup(args)
+    if args.breakdown:
+        if device.type != "cuda":
+            p.error("--breakdown times kernels on the GPU's clock: it needs CUDA")
+        return breakdown(args, device)
     names = common.registered()
     budget = args.budget_s or (45.0 if args.quick else 210.0)
     start = time.perf_counter()

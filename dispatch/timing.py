@@ -21,6 +21,7 @@ Nothing happens at import: torch.cuda and triton are touched inside the function
 from __future__ import annotations
 
 import datetime
+import math
 import importlib.metadata
 import platform
 import statistics
@@ -168,6 +169,25 @@ def stream_ms(
         return first
     runs = min(200, max(3, int(budget_ms / max(first * calls, 1e-3))))
     return back_to_back_ms(fn, grad_to_none, runs, device) / calls
+
+
+def host_ms(fn: Fn, device: torch.device, calls: int = 30, rounds: int = 3) -> float:
+    """Host milliseconds per call of ``fn``: ``time.perf_counter`` around ``calls`` back-to-back calls
+    queued behind a ``torch.cuda._sleep`` kernel that outlasts them, so the host never waits on the GPU
+    (the host's cost, not the GPU's); the least of ``rounds``. On the CPU: ``cpu_ms``."""
+    if device.type != "cuda":
+        return cpu_ms(fn, 100.0)
+    fn()
+    best = math.inf
+    for _ in range(rounds):
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(int(2e6 * calls))  # ~1 ms a call at ~2 GHz: far above any call's host cost
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) * 1e3 / calls)
+    torch.cuda.synchronize(device)
+    return best
 
 
 def per_call_ms(
