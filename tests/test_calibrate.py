@@ -415,5 +415,7 @@ def test_small_calibration_on_gpu(user_dir, capsys):
     for e in table.data["entries"]:
         for p in e["points"]:
             assert plan.BASELINE in p["gpu_us"] and p["gpu_us"].keys() == p["host_us"].keys(), p
-            assert not p.get("drained"), p
+            # the queue may drain only behind a call whose host cost outlasts any sleep sized for it
+            # (nvfuser / inductor dropout training at 4096 x 4096 stalled the host 23-86 ms, H200)
+            assert all(p["host_us"][name] > 1e3 * measure.HOST_CAP_MS for name in p.get("drained", [])), p
     assert "self-check" in capsys.readouterr().out

@@ -512,21 +512,36 @@ def _backward(
     need_bias: bool,
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """``backward`` on arguments the caller validated (``trusted``)."""
-    need_bias = need_bias and bias is not None
+    return backward_pass(grad_y, x, bias, activation, p, rng, need_x, need_bias and bias is not None)
+
+
+def backward_pass(
+    grad_y: Tensor,
+    x: Tensor,
+    bias: Optional[Tensor],
+    activation: str,
+    p: float,
+    rng: Optional[Rng],
+    need_x: bool,
+    need_bias: bool,
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The backward kernel: grad_x and, if ``need_bias``, the column sums of grad_x in x's dtype, with
+    or without a bias (fused_linear's backward sums grad_pre for its grad_b with the bias already in
+    the saved pre-activation)."""
     m, n = x.shape
     grad_x = x.new_empty((m, n)) if need_x else None
     if not need_bias:
         if not need_x or m == 0 or n == 0:
             return grad_x, None
     elif m == 0 or n == 0:
-        return grad_x, torch.zeros_like(bias)
+        return grad_x, x.new_zeros((n,))
     cfg = config(m, n, x.element_size(), backward=True, dropout=rng is not None)
     col_programs = _cdiv(n, cfg.block_n)
     rows_per_program = _rows_per_program(m, cfg, col_programs, x) if need_bias else cfg.block_m
     row_programs = _cdiv(m, rows_per_program)
     grad_bias = partials = None
     if need_bias:
-        grad_bias = torch.empty_like(bias)
+        grad_bias = x.new_empty((n,))
         if row_programs > 1:
             partials = torch.empty((row_programs, n), dtype=torch.float32, device=x.device)
     (rng_t, s0, s1, o0, o1, threshold, scale), on_device = _dropout_args(x, p, rng)

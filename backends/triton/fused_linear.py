@@ -3,14 +3,14 @@
 Without autograd (``infer``): one Triton matmul (``matmul.py``) whose epilogue adds the bias and
 applies the activation: the product is written once, as y.
 
-With autograd the products run on cuBLAS (``torch.mm``) and bias + activation on bias_act_dropout's
-kernels (``bias_act_dropout.py``, p = 0), because on the H200 cuBLAS is the faster GEMM and the rest
+With autograd the products run on cuBLAS (``torch.addmm``, the bias in its epilogue, and ``torch.mm``)
+and the activation and its gradient on bias_act_dropout's kernels (``bias_act_dropout.py``, p = 0), because on the H200 cuBLAS is the faster GEMM and the rest
 is memory-bound (bf16, GPT-2 c_fc 8192 x 3072 x 768, GPU time, benchmarks/PERF.md): the Triton matmul
 with the pre-activation kept took 102 us against torch.mm's 65 us plus a 30 us activation pass;
 grad_W and grad_x on Triton 80 and 66 us against cuBLAS's 62 and 61.
-    forward   pre = x @ W^T (no bias)                         cuBLAS, 2MNK
-              y = act(pre + b), pre kept for backward         one pass: read pre, write y
-    backward  grad_pre = grad_y * act'(pre + b),              one pass: read grad_y and pre, write
+    forward   pre = x @ W^T + b                               cuBLAS, 2MNK
+              y = act(pre), pre kept for backward             one pass: read pre, write y
+    backward  grad_pre = grad_y * act'(pre),                  one pass: read grad_y and pre, write
               grad_b = its column sums                          grad_pre, float32 per-block partials
               grad_x = grad_pre @ W, grad_W = grad_pre^T @ x  cuBLAS, 2MNK each
 PyTorch's act(F.linear(x, W, b)) makes the same products and two more passes: a separate reduction
@@ -109,12 +109,14 @@ def launch_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation
 def forward(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str
 ) -> tuple[Tensor, Optional[Tensor]]:
-    """(y, saved) for a call with autograd: y = act(x @ W^T + b), saved = x @ W^T without the bias
-    (None for identity), which backward's pass reads with the bias as bias_act_dropout's x."""
+    """(y, saved) for a call with autograd: y = act(x @ W^T + b), saved = the pre-activation x @ W^T + b
+    rounded to x's dtype as PyTorch's addmm rounds it (None for identity). Rounded before the bias was
+    added, relu-like masks flipped wherever |x @ W^T| >> |x @ W^T + b|: bf16 grad_x 4x eager's error
+    (2048 x 4096 x 1024 relu, H200)."""
+    pre = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
     if activation == "identity":
-        return (torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())), None
-    pre = torch.mm(x, weight.t())
-    return bias_act_dropout.trusted.forward(pre, bias, activation, 0.0, None), pre
+        return pre, None
+    return bias_act_dropout.trusted.forward(pre, None, activation, 0.0, None), pre
 
 
 def infer(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
@@ -138,9 +140,9 @@ def backward(
     if activation == "identity":
         grad_pre = grad_y
         grad_b = launch_column_sums(grad_y).to(bias.dtype) if need_b else None
-    else:
-        grad_pre, grad_b = bias_act_dropout.trusted.backward(
-            grad_y, saved, bias, activation, 0.0, None, need_x or need_w, need_b
+    else:  # one pass: grad_pre = grad_y * act'(pre) and its column sums (grad_b)
+        grad_pre, grad_b = bias_act_dropout.backward_pass(
+            grad_y, saved, None, activation, 0.0, None, need_x or need_w, need_b
         )
     grad_x = torch.mm(grad_pre, weight) if need_x else None  # (M, N) @ (N, K)
     grad_w = torch.mm(grad_pre.t(), x) if need_w else None  # (N, M) @ (M, K)
