@@ -210,3 +210,35 @@ def test_fsdp2_trains_like_one_process(ranks):
     losses, _ = _single_process()
     for r in ranks:
         torch.testing.assert_close(torch.tensor(r["fsdp_losses"]), torch.tensor(losses), rtol=1e-10, atol=1e-12)
+
+
+CALIBRATE = ["--quick", "--modes", "inference", "training", "--activations", "gelu", "--features", "64", "64,32",
+             "--tokens", "1", "8", "--backends", "eager"]  # fmt: skip
+
+
+def test_torchrun_calibrate_shards_the_series_and_writes_one_table(tmp_path):
+    """``torchrun --nproc-per-node 2 -m dispatch.calibrate``: the ranks split the series, rank 0 writes
+    one table with every family, of a single process's structure, and every rank names its path; the
+    ranks' checkpoints are gone afterwards."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DISPATCH_HEURISTICS_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    sharded, single = tmp_path / "sharded.json", tmp_path / "single.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+         "-m", "dispatch.calibrate", *CALIBRATE, "--out", str(sharded)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"the table is {sharded}" in run.stdout and f"wrote {sharded}" in run.stdout
+    assert subprocess.run([sys.executable, "-m", "dispatch.calibrate", *CALIBRATE, "--out", str(single)],
+                          env=env, capture_output=True, timeout=300).returncode == 0  # fmt: skip
+    both = [json.loads(p.read_text()) for p in (sharded, single)]
+    keys = [{(e["op"], e["mode"], e["dropout"], tuple(e["features"])) for e in d["entries"]} for d in both]
+    assert keys[0] == keys[1] and len(keys[0]) == 6  # every op x mode x dropout family
+    assert set(both[0]) == set(both[1]) and both[0]["settings"]["ranks"] == WORLD
+    assert [set(e) for e in both[0]["entries"]] == [set(e) for e in both[1]["entries"]]
+    assert not list(tmp_path.glob("*.rank*.json"))

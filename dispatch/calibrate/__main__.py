@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from dispatch import heuristics, select, timing
-from dispatch.calibrate import measure, report
+from dispatch.calibrate import measure, ranks as ranking, report
 from dispatch.calibrate.plan import (
     BASELINE, FAMILY_ORDER, MODES, NOISE, PREFERENCE, Family, Plan, Series, contenders, default_plan, fit,
     held_out_ms, hopeless_in, runs, series_of, spread, to_bisect,
@@ -344,6 +344,7 @@ class Run:
             "series_planned": sum(self.planned.values()), "families": families,
             "graph_capture_failed": {" ".join(map(str, k)): v for k, v in self.clock.no_graph.items()},
             **(extra or {}),
+            "ranks": int(os.environ.get("WORLD_SIZE", "1")),
             "seconds_by_backend": {n: round(t, 1) for n, t in sorted(self.cost.items())},
             "series_seconds": self.log,
         }  # fmt: skip
@@ -406,12 +407,16 @@ def _bandwidth_gbs(device: torch.device) -> Optional[float]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    ranks = ranking.setup()  # before the device: each rank takes its own GPU
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     plan = make_plan(args, device)
     info = heuristics.device_info(device)
     out = args.out or os.path.join(heuristics.user_dir(), info["slug"] + ".json")
     previous = _previous(out, info) if args.resume or args.refresh else None
+    if args.resume and ranking.checkpointed_entries(out):  # a sharded run that stopped: its ranks' entries
+        previous = dict(previous or {})
+        previous["entries"] = list(previous.get("entries", [])) + ranking.checkpointed_entries(out)
     families = [Family(op, dt, mode, drop) for dt in plan.dtypes for mode, op, drop in FAMILY_ORDER
                 if op in args.ops and mode in args.modes and plan.features.get(op)]  # fmt: skip
     backends()  # imports every backend before the clock starts
@@ -421,6 +426,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with tqdm(unit="series", file=sys.stderr, dynamic_ncols=True, mininterval=1.0) as bar:
         run = Run(plan, args, previous, bar, info)
         work = run.plan_tasks(families, tuple(args.activations))
+        if ranks.world > 1:  # this rank's share of the series; its budget is the whole run's
+            run.queue = ranking.deal(run.queue, ranks)
+            run.weight = {f: max(1, sum(t[0] == "series" for t in q)) for f, q in run.queue.items()}
+            mine = {(id(t[1]), t[2]) for q in run.queue.values() for t in q}
+            work = [(s_, f_) for s_, f_ in work if (id(s_), f_) in mine]
         bar.reset(total=sum(run.weight[f] for f in families if run.queue[f]))
         warmed = None
         workers = (
@@ -437,7 +447,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             runs_ = _runs(previous, args, plan, run.elapsed(), labels)
             return {"warm_up": warmed, "runs": runs_, "elapsed_s": runs_[-1]["elapsed_s"]}
 
-        run.run(lambda: heuristics.save_table(run.document(True, history()), out))
+        run.run(lambda: heuristics.save_table(run.document(True, history()), ranking.checkpoint_path(out, ranks)))
+    if ranks.world > 1:
+        heuristics.save_table(run.document(True, history()), ranking.checkpoint_path(out, ranks))
+        everyone = ranking.gather(list(run.entries.values()), ranks)
+        if not ranks.lead:
+            path = ranking.announce(None, ranks)
+            print(f"rank {ranks.rank}: {len(run.entries)} entries measured here; the table is {path}")
+            ranking.finish(out, ranks)
+            return 0
+        run.entries = {_key(e): e for e in everyone}
     done = history()
     run.info = {**info, "measured_bandwidth_gbs": _bandwidth_gbs(device)}
     doc = run.document(extra=done)
@@ -456,6 +475,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     st = doc["settings"]
     print(f"{state} {run.elapsed():.0f} s: {st['series_measured']} of {st['series_planned']} series measured, "
           f"{len(doc['entries'])} entries; wrote {out}" + (" (run again with --resume to extend it)" if run.stopped else ""))  # fmt: skip
+    if ranks.world > 1:
+        ranking.announce(out, ranks)
+        ranking.finish(out, ranks)
     return 0
 
 
