@@ -382,7 +382,7 @@ def test_gelu_and_its_derivative_are_float32_accurate(device):
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
-@pytest.mark.parametrize("shape, activation, host", [((72, 16), "gelu", True), ((130, 40), "relu", False)], ids=str)
+@pytest.mark.parametrize("shape, activation, host", [((72, 16), "gelu", True), ((66, 40), "relu", False)], ids=str)
 def test_rows_kernel_bit_identical_to_the_tile_kernel(shape, activation, host, dtype, device, monkeypatch):
     """16-bit with dropout past decode sizes takes the rows kernel (32-bit word loads, scalar
     counters); its y equals the tile kernel's bit for bit, with and without bias, across a counter
