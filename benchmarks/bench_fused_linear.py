@@ -276,7 +276,7 @@ def breakdown(args, device: torch.device) -> None:
         for name, us in got.items():
             lines.append([f"{pair} M={M}", name, round(min(us), 1), round(base / min(us), 3)])
         for name in ("pytorch", "triton"):
-            host = timing.host_ms(pieces[name], device) * 1e3
+            host = timing.host_ms(pieces[name], device)[0] * 1e3
             lines.append([f"{pair} M={M}", f"host: {name}", round(host, 1), None])
         result += [dict(zip(("shape", "entry", "us", "x_pytorch"), line)) for line in lines[-len(got) - 2 :]]
     common.write(args, "fused_linear_breakdown", {"rows": result}, device)

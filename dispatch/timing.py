@@ -21,7 +21,6 @@ Nothing happens at import: torch.cuda and triton are touched inside the function
 from __future__ import annotations
 
 import datetime
-import math
 import importlib.metadata
 import platform
 import statistics
@@ -171,23 +170,52 @@ def stream_ms(
     return back_to_back_ms(fn, grad_to_none, runs, device) / calls
 
 
-def host_ms(fn: Fn, device: torch.device, calls: int = 30, rounds: int = 3) -> float:
-    """Host milliseconds per call of ``fn``: ``time.perf_counter`` around ``calls`` back-to-back calls
-    queued behind a ``torch.cuda._sleep`` kernel that outlasts them, so the host never waits on the GPU
-    (the host's cost, not the GPU's); the least of ``rounds``. On the CPU: ``cpu_ms``."""
+def sleep_cycles_per_ms(device: torch.device) -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond on ``device`` (one 10M-cycle sleep timed
+    by events), for sizing a sleep in time."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / max(start.elapsed_time(end), 1e-3)
+
+
+def host_ms(
+    fn: Fn,
+    device: torch.device,
+    runs: int = 30,
+    grad_to_none: Sequence[Tensor] = (),
+    per_run_ms: float = 1.0,
+    cycles_per_ms: Optional[float] = None,
+) -> tuple[float, bool]:
+    """(host milliseconds per run of ``fn``, whether the queue drained): ``time.perf_counter`` around
+    ``runs`` back-to-back runs queued behind a ``torch.cuda._sleep`` kernel sized to outlast them
+    (``per_run_ms``, an upper guess of a run's host time), so the host never waits on the GPU. If the
+    sleep ended first (the calls synchronize, or the launch queue filled), it is retried with a 4x
+    longer sleep and a quarter of the runs, at most three tries; ``drained`` says the last try failed
+    too. On the CPU: ``cpu_ms`` (there the host is the clock), never drained."""
     if device.type != "cuda":
-        return cpu_ms(fn, 100.0)
-    fn()
-    best = math.inf
-    for _ in range(rounds):
+        return cpu_ms(fn, 100.0, grad_to_none), False
+    cycles = cycles_per_ms or sleep_cycles_per_ms(device)
+    guess = runs * per_run_ms
+    for _ in range(3):
         torch.cuda.synchronize(device)
-        torch.cuda._sleep(int(2e6 * calls))  # ~1 ms a call at ~2 GHz: far above any call's host cost
+        torch.cuda._sleep(int(cycles * (2 * guess + 0.2)))
+        busy = torch.cuda.Event()
+        busy.record()
         start = time.perf_counter()
-        for _ in range(calls):
+        for _ in range(runs):
+            _reset(grad_to_none)
             fn()
-        best = min(best, (time.perf_counter() - start) * 1e3 / calls)
-    torch.cuda.synchronize(device)
-    return best
+        seconds = time.perf_counter() - start
+        drained = busy.query()  # the sleep had ended: the host may have waited on the GPU
+        torch.cuda.synchronize(device)
+        if not drained:
+            break
+        runs, guess = max(1, runs // 4), guess * 4
+    return seconds * 1e3 / runs, drained
 
 
 def per_call_ms(

@@ -414,9 +414,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     info = heuristics.device_info(device)
     out = args.out or os.path.join(heuristics.user_dir(), info["slug"] + ".json")
     previous = _previous(out, info) if args.resume or args.refresh else None
-    if args.resume and ranking.checkpointed_entries(out):  # a sharded run that stopped: its ranks' entries
+    stopped_ranks = ranking.checkpointed_entries(out) if args.resume else []
+    if stopped_ranks:  # a sharded run that stopped: what its ranks had measured
         previous = dict(previous or {})
-        previous["entries"] = list(previous.get("entries", [])) + ranking.checkpointed_entries(out)
+        previous["entries"] = list(previous.get("entries", [])) + stopped_ranks
     families = [Family(op, dt, mode, drop) for dt in plan.dtypes for mode, op, drop in FAMILY_ORDER
                 if op in args.ops and mode in args.modes and plan.features.get(op)]  # fmt: skip
     backends()  # imports every backend before the clock starts

@@ -337,36 +337,15 @@ class Clock:
 
     def cycles_per_ms(self) -> float:
         if self._cycles_per_ms is None:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(1000)
-            start.record()
-            torch.cuda._sleep(10_000_000)
-            end.record()
-            end.synchronize()
-            self._cycles_per_ms = 10_000_000 / max(start.elapsed_time(end), 1e-3)
+            self._cycles_per_ms = timing.sleep_cycles_per_ms(self.device)
         return self._cycles_per_ms
 
     def host_us(self, t: Timer, est_ms: float) -> tuple[float, bool]:
-        """us of host time per op call, measured behind a sleep kernel that outlasts the calls."""
+        """us of host time per op call (``timing.host_ms``), and whether its queue drained."""
         per_run = min(max(est_ms, 1e-3) * t.calls, HOST_CAP_MS)  # >= the host's time per run
         runs = max(1, min(HOST_RUNS, int(HOST_WINDOW_MS / per_run)))
-        guess = runs * per_run
-        for _ in range(3):
-            torch.cuda.synchronize(self.device)
-            torch.cuda._sleep(int(self.cycles_per_ms() * (2 * guess + 0.2)))
-            busy = torch.cuda.Event()
-            busy.record()
-            start = time.perf_counter()
-            for _ in range(runs):
-                _reset(t)
-                t.fn()
-            seconds = time.perf_counter() - start
-            drained = busy.query()  # the sleep had ended: the host may have waited on the GPU
-            torch.cuda.synchronize(self.device)
-            if not drained:
-                break
-            runs, guess = max(1, runs // 4), guess * 4
-        return seconds * 1e6 / (runs * t.calls), drained
+        ms, drained = timing.host_ms(t.fn, self.device, runs, t.leaves, per_run, self.cycles_per_ms())
+        return ms * 1e3 / t.calls, drained
 
     def time(
         self, timers: dict[str, Timer], may_start: Callable[[str], bool] = lambda name: True
