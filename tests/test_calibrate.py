@@ -343,6 +343,36 @@ def test_host_clock_waits_for_no_gpu():
     assert spent["eager"] > 0
 
 
+def test_clock_chains_short_training_calls_and_keeps_hopeless_entries_at_their_estimate(monkeypatch):
+    """Clock.prepare: a training call estimated under CHAIN_BELOW_MS is rebuilt as TRAIN_CHAIN forwards
+    per backward; an entry at least SKIP_MS a call and over HOPELESS_X times the cheapest backend keeps
+    its estimate untimed; the baseline and an entry within HOPELESS_X are timed in rounds."""
+    case = measure.Case("fused_linear", torch.float32, "relu", True, False, 4, (8, 8), CPU)
+    built = []
+
+    def timer(name, est, chain=True, calls=1):  # chained: a little less per call (autograd's cost shared)
+        t = measure.Timer(lambda: None, [], calls, name, case)
+        if chain:
+            t = t._replace(chained=lambda: built.append(name) or timer(name, est * 0.9, False, 4))
+        est_of[id(t)] = est
+        return t
+
+    est_of = {}
+    monkeypatch.setattr(measure.Clock, "first", lambda self, t: 0.0)
+    monkeypatch.setattr(measure.Clock, "estimate_ms", lambda self, t: est_of[id(t)])
+    slow = 3 * measure.HOPELESS_X * measure.SKIP_MS
+    short = 0.9 * measure.CHAIN_BELOW_MS
+    near = 0.95 * measure.HOPELESS_X * 0.9 * short  # within HOPELESS_X of short's chained estimate
+    assert near >= measure.SKIP_MS
+    timers = {"short": timer("short", short), "near": timer("near", near, chain=False),
+              "hopeless": timer("hopeless", slow), plan.BASELINE: timer(plan.BASELINE, slow)}  # fmt: skip
+    spent = dict.fromkeys(timers, 0.0)
+    est, out = measure.Clock(CPU, 3, False).prepare(timers, lambda n: True, spent)
+    assert built == ["short"] and timers["short"].calls == 4 and est["short"] == pytest.approx(0.9 * short)
+    assert set(est) == {"short", "near", plan.BASELINE}
+    assert out["hopeless"] == measure.Timed(slow * 1e3, slow * 1e3, "estimate", False)
+
+
 def test_cuda_clocks_retry_a_drained_queue_and_fall_back_where_capture_fails(monkeypatch):
     """The CUDA branch with a stand-in device: the host clock queues its calls behind a sleep kernel and,
     when the sleep ran out first, runs again with a 4x longer sleep and a quarter of the calls; a

@@ -77,6 +77,7 @@ def make_plan(args: argparse.Namespace, device: torch.device) -> Plan:
         sizes = [tuple(int(v) for v in f.split(",")) for f in args.features]
         plan.features = {"bias_act_dropout": [f for f in sizes if len(f) == 1],
                          "fused_linear": [f for f in sizes if len(f) == 2]}  # fmt: skip
+        plan.float32_sizes = 0
     if args.tokens:
         plan.tokens = tuple(sorted(set(args.tokens)))
     return plan
@@ -115,6 +116,7 @@ class Run:
         self.dropped: dict[tuple, set[str]] = {}  # (family, rep) -> backends its first size found hopeless
         self.gates: dict[tuple, list] = {}
         self._inputs: Optional[tuple] = None  # the last check's (case, inputs, refs, eager)
+        self.point_s: dict[int, float] = {}  # the current series' seconds per point
         self.saved = time.monotonic()
 
     # --------------------------------------------------------------- the plan and the budget
@@ -126,7 +128,7 @@ class Run:
         for fam in families:
             tasks: list[tuple] = []
             all_series = series_of(self.plan, fam, activations)
-            for features in self.plan.features.get(fam.op, []):
+            for features in self.plan.sizes(fam.op, fam.dtype):
                 todo = [s for s in all_series if not self._done(s, features, [(s.rep, fam.dtype)])]
                 tasks += [("series", s, features) for s in todo]
                 tasks += [
@@ -134,7 +136,7 @@ class Run:
                 ]
                 work += [(s, features) for s in todo]
             self.weight[fam] = max(1, sum(t[0] == "series" for t in tasks))
-            self.planned[fam] = len(all_series) * len(self.plan.features.get(fam.op, []))
+            self.planned[fam] = len(all_series) * len(self.plan.sizes(fam.op, fam.dtype))
             self.queue[fam] = tasks
         return work
 
@@ -191,6 +193,7 @@ class Run:
         return [n for n in ok if self.only is None or n in self.only] + [BASELINE]
 
     def point(self, fam: Family, case: measure.Case, names: list[str]) -> dict:
+        start = time.monotonic()
         dims = "x".join(map(str, (case.m, *case.features)))
         self.bar.set_description_str(f"{fam.label} {case.activation} {dims}", False)
         # a first call (a compile) starts only while the family has time left; eager and the
@@ -200,13 +203,14 @@ class Run:
         )
         for n, t in spent.items():
             self.cost[n] += t
+        self.point_s[case.m] = round(time.monotonic() - start, 2)
         return pt
 
     def series(self, s: Series, features: tuple) -> None:
         """Largest M first, then the rest of the grid evenly, bisection where the winner changes, one
         held-out M for the self-check; then the parity checks and the entry."""
         f, start = s.family, time.monotonic()
-        before = dict(self.cost)
+        before, self.point_s = dict(self.cost), {}
         dropped = self.dropped.get((f, s.rep), set())
         grid = self.plan.grid(f.op, features, f.dtype)
         points: dict[int, dict] = {}
@@ -234,6 +238,7 @@ class Run:
             "series": s.label, "features": list(features), "points": len(measured) + len(held),
             "seconds": round(time.monotonic() - start, 2), "dropped_by_family": sorted(dropped),
             "timing_s": {n: round(t - before.get(n, 0.0), 2) for n, t in self.cost.items() if t > before.get(n, 0.0)},
+            "point_s": {str(m): t for m, t in sorted(self.point_s.items())},
             "left_out": {n: why for p in measured for n, why in p["rejected"].items()},
         })  # fmt: skip
 

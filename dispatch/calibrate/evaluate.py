@@ -70,15 +70,14 @@ def time_case(case: measure.Case, clock: measure.Clock, rounds: int) -> dict[str
     out: dict[str, dict[str, list[float]]] = {}
     with torch.set_grad_enabled(case.training):
         timers = {n: measure.timer(n, case, inp) for n in names + [BASELINE]}
-        est = {}
-        for name, t in timers.items():
-            try:
-                clock.first(t)
-                est[name] = clock.estimate_ms(t)
-            except Exception:  # cannot run here: not a candidate
-                continue
+        est, skipped = clock.prepare(timers, lambda n: True, dict.fromkeys(timers, 0.0))
+        for name, r in skipped.items():  # hopeless here: scored at its estimate on every clock
+            if isinstance(r, measure.Timed):
+                out[name] = {"gpu": [r.gpu_us], "host": [r.host_us], "wall": [r.gpu_us]}
         for r, name in timing.rotations(list(est), rounds):
             t = timers[name]
+            if name in out and est[name] >= measure.SLOW_MS:  # one round: noise is small next to it
+                continue
             try:
                 s = clock.sample(t, est[name])
                 runs = max(1, min(200, int(WALL_WINDOW_MS / max(est[name] * t.calls, 1e-3))))

@@ -13,6 +13,8 @@ The clocks (``Clock``), per op call, each the median of interleaved rounds (A B 
   a ``torch.cuda._sleep`` kernel that outlasts them, so the host never waits on the GPU. If the sleep
   ran out first (the call synchronizes, or the launch queue filled), it is retried longer with fewer
   calls, and the point lists the backend under ``drained`` if that fails too.
+An entry at least SKIP_MS a call and over HOPELESS_X times the cheapest backend's estimate is not timed
+in rounds: it keeps its estimate on both clocks (``gpu_clock`` says "estimate"), it cannot win there.
 On a CPU there is one clock: both are ``timing.cpu_ms``, wall time per call.
 """
 
@@ -40,7 +42,10 @@ from dispatch.contracts.backend import Call
 P_DROPOUT = 0.1  # the p of every dropout measurement: the cost does not depend on p
 SLOW_MS = timing.SLOW_MS  # 5 ms; on a CPU 50 ms (fused_linear 64 x 3072 x 768 takes ~5 ms on 2 cores)
 CPU_SLOW_MS = 50.0
-GRAPH_REP_MS = 1.0  # calls unrolled per graph: ~1 ms of them, replayed 10 times
+# calls unrolled per graph: ~0.5 ms of them, replayed 10 times. Capturing costs the host's time per call
+# (100-300 us for a training step on the H200 host), so a 1 ms graph of a 10 us call spent ~20 ms of host
+# time per sample; at 0.5 ms the events' few us around a replay stay under 1% of it.
+GRAPH_REP_MS = 0.5
 HOST_WINDOW_MS = 1.0  # host clock: about this much host time of back-to-back calls per sample, at most
 HOST_RUNS = 20  # ... this many runs: 20 chained training runs are ~500 launches queued behind the sleep
 HOST_CAP_MS = 10.0  # ... sized by at most this per call (slower calls are GPU-bound by far)
@@ -49,6 +54,15 @@ HOST_CAP_MS = 10.0  # ... sized by at most this per call (slower calls are GPU-b
 # no single op. Timed one call per backward it swamped the backends' differences (the table sent GPT-2's
 # c_fc to cublaslt; patched GPT-2 then trained at 0.86x eager, 1.21x once chained timings chose triton).
 TRAIN_CHAIN = 4
+# ... but only where that fixed cost weighs: a training call whose single-call estimate is CHAIN_BELOW_MS
+# or more is timed one forward per backward (the GPU then runs 4x fewer calls per sample).
+CHAIN_BELOW_MS = 1.0
+# An entry whose estimate (about max(host, GPU) per call) is at least SKIP_MS and more than HOPELESS_X
+# times the cheapest backend's is kept at its estimate, untimed: eager's dropout (the RNG spec in int64
+# tensor ops) and traced-Philox dropout run 7-150x triton's time, and timing them in rounds at
+# 65536 x 4096 cost ~3 s a point, most of a dropout series' time.
+SKIP_MS = 1.0
+HOPELESS_X = 2.0
 
 
 @dataclass(frozen=True)
@@ -212,13 +226,15 @@ def inputs(case: Case) -> tuple[Inputs, list, list]:
 
 
 class Timer(NamedTuple):
-    """``fn`` runs ``calls`` op calls of entry ``name`` at ``case``; ``leaves``' grads reset before it."""
+    """``fn`` runs ``calls`` op calls of entry ``name`` at ``case``; ``leaves``' grads reset before it.
+    ``chained`` builds the TRAIN_CHAIN version of a one-call training timer."""
 
     fn: Callable[[], object]
     leaves: list[Tensor]
     calls: int
     name: str
     case: Case
+    chained: Optional[Callable[[], "Timer"]] = None
 
 
 def _composite(case: Case) -> Callable:
@@ -228,8 +244,9 @@ def _composite(case: Case) -> Callable:
     return lambda x, w, b: act(F.linear(x, w, b))
 
 
-def timer(name: str, case: Case, inp: Inputs) -> Timer:
-    """The op on backend ``name`` (or the baseline composite): forward, or forward + backward."""
+def timer(name: str, case: Case, inp: Inputs, chain: int = 1) -> Timer:
+    """The op on backend ``name`` (or the baseline composite): forward, or ``chain`` forwards and one
+    backward over their outputs (on a CPU always one: a call there dwarfs autograd's fixed cost)."""
     leaves = _leaves(case, inp)
     act, p = case.activation, case.p
     if name == BASELINE:
@@ -248,13 +265,15 @@ def timer(name: str, case: Case, inp: Inputs) -> Timer:
 
     if not case.training:
         return Timer(forward, [], 1, name, case)
-    chain = TRAIN_CHAIN if case.device.type == "cuda" else 1  # a CPU call dwarfs autograd's fixed cost
+    cuda = case.device.type == "cuda"
+    chain = chain if cuda else 1
 
     def step() -> None:
         outs = [forward() for _ in range(chain)]
         torch.autograd.backward(outs, [inp.grad_y] * chain)
 
-    return Timer(step, leaves, chain, name, case)
+    longer = (lambda: timer(name, case, inp, TRAIN_CHAIN)) if cuda and chain == 1 else None
+    return Timer(step, leaves, chain, name, case, longer)
 
 
 # ----------------------------------------------------------------------------- the clocks
@@ -347,15 +366,16 @@ class Clock:
         ms, drained = timing.host_ms(t.fn, self.device, runs, t.leaves, per_run, self.cycles_per_ms())
         return ms * 1e3 / t.calls, drained
 
-    def time(
-        self, timers: dict[str, Timer], may_start: Callable[[str], bool] = lambda name: True
-    ) -> tuple[dict[str, Union[Timed, Exception, str]], dict[str, float]]:
-        """Each entry's median over the rounds, an exception where it raised, or the reason it was not
-        started (``may_start(name)`` is asked before each first call); and each entry's seconds."""
+    def prepare(
+        self, timers: dict[str, Timer], may_start: Callable[[str], bool], spent: dict[str, float]
+    ) -> tuple[dict[str, float], dict[str, Union[Timed, Exception, str]]]:
+        """Each entry's first call and estimate (ms per op call); a short training call is re-built
+        chained (``timers`` is updated in place). Returns the estimates of the entries to time in
+        rounds, and the outcome of the others: an exception, the reason it was not started, or, for
+        a hopeless entry (SKIP_MS, HOPELESS_X; never the baseline), its estimate on both clocks."""
         out: dict[str, Union[Timed, Exception, str]] = {}
-        spent = dict.fromkeys(timers, 0.0)
         est: dict[str, float] = {}
-        for name, t in timers.items():
+        for name, t in list(timers.items()):
             if not may_start(name):
                 out[name] = "not started: the family's budget is spent"
                 continue
@@ -363,10 +383,29 @@ class Clock:
             try:
                 self.first(t)
                 est[name] = self.estimate_ms(t)
+                if t.chained is not None and est[name] < CHAIN_BELOW_MS:
+                    timers[name] = t = t.chained()
+                    est[name] = self.estimate_ms(t)
             except Exception as exc:
                 _settle(self.device)
+                est.pop(name, None)
                 out[name] = exc
             spent[name] += time.monotonic() - start
+        best = min((e for n, e in est.items() if n != BASELINE), default=0.0)
+        for name, e in list(est.items()):
+            if name != BASELINE and e >= SKIP_MS and e > HOPELESS_X * best:
+                out[name] = Timed(e * 1e3, e * 1e3, "estimate", False)
+                del est[name]
+        return est, out
+
+    def time(
+        self, timers: dict[str, Timer], may_start: Callable[[str], bool] = lambda name: True
+    ) -> tuple[dict[str, Union[Timed, Exception, str]], dict[str, float]]:
+        """Each entry's median over the rounds, an exception where it raised, or the reason it was not
+        started (``may_start(name)`` is asked before each first call); and each entry's seconds."""
+        timers = dict(timers)
+        spent = dict.fromkeys(timers, 0.0)
+        est, out = self.prepare(timers, may_start, spent)
         samples: dict[str, list[Timed]] = {n: [] for n in est}
         for _, name in timing.rotations(list(est), self.rounds):
             got = samples[name]

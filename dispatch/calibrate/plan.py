@@ -62,6 +62,10 @@ FEATURES = {
         (1536, 384),  # MiniLM / DeiT-S up
     ],
 }
+# On a GPU float32 takes the first three sizes (GPT-2 and LLaMA-7B widths): half-precision is what models
+# train and serve in there, and the 70B widths in float32 run 1/8-1/15 of bf16's GEMM rate; the other
+# sizes then take the nearest measured one. This leaves 118 series of 152.
+FLOAT32_SIZES = 3
 QUICK_FEATURES = {
     "cuda": {"bias_act_dropout": [(3072,), (4096,), (14336,)], "fused_linear": [(3072, 768), (11008, 4096)]},
     "cpu": {"bias_act_dropout": [(3072,), (768,)], "fused_linear": [(3072, 768), (768, 3072)]},
@@ -81,6 +85,11 @@ class Plan:
     max_macs: int  # M * N * K cap of a fused_linear point (bf16/fp16; float32 on a GPU gets 1/8)
     rounds: int  # interleaved timing rounds per point
     budget_s: float
+    float32_sizes: int = 0  # float32 takes the first this many feature sizes (0: all of them)
+
+    def sizes(self, op: str, dtype: torch.dtype) -> list[tuple[int, ...]]:
+        sizes = self.features.get(op, [])
+        return sizes[: self.float32_sizes] if dtype == torch.float32 and self.float32_sizes else sizes
 
     def m_cap(self, op: str, features: tuple[int, ...], dtype: torch.dtype) -> int:
         cap = self.max_elements if op == "bias_act_dropout" else self.max_macs
@@ -115,7 +124,7 @@ def default_plan(device: torch.device, quick: bool, budget: Optional[float]) -> 
         device, False, (torch.bfloat16, torch.float32) if gpu else (torch.float32, torch.bfloat16),
         SHARED_DTYPES if gpu else {}, FEATURES, (1, 16, 256, 4096, 65536) if gpu else (1, 16, 256, 4096),
         2.0, 2**28 if gpu else 2**22, 2**40 if gpu else 2**30, 3,
-        budget if budget is not None else 480.0,
+        budget if budget is not None else 480.0, FLOAT32_SIZES if gpu else 0,
     )  # fmt: skip
 
 
