@@ -384,7 +384,9 @@ class Clock:
                 self.first(t)
                 est[name] = self.estimate_ms(t)
                 if t.chained is not None and est[name] < CHAIN_BELOW_MS:
+                    # its first run allocates for four live outputs (cudaMalloc: read ~1 ms estimates)
                     timers[name] = t = t.chained()
+                    self.first(t)
                     est[name] = self.estimate_ms(t)
             except Exception as exc:
                 _settle(self.device)
@@ -394,8 +396,17 @@ class Clock:
         best = min((e for n, e in est.items() if n != BASELINE), default=0.0)
         for name, e in list(est.items()):
             if name != BASELINE and e >= SKIP_MS and e > HOPELESS_X * best:
-                out[name] = Timed(e * 1e3, e * 1e3, "estimate", False)
-                del est[name]
+                try:  # two runs can catch a host stall: the lower of two estimates decides
+                    e = min(e, self.estimate_ms(timers[name]))
+                except Exception as exc:
+                    _settle(self.device)
+                    out[name], e = exc, 0.0
+                    del est[name]
+                if e >= SKIP_MS and e > HOPELESS_X * best:
+                    out[name] = Timed(e * 1e3, e * 1e3, "estimate", False)
+                    del est[name]
+                elif name in est:
+                    est[name] = e
         return est, out
 
     def time(
