@@ -291,6 +291,7 @@ def _point(p: Any, where: str, version: int) -> int:
     else:
         for key in ("gpu_us", "host_us"):
             _get(p, key, where, _timings)
+        _get(p, "host_us_measured", where, _timings, optional=True)  # before the series' median replaced it
         _get(p, "gpu_clock", where, _texts, optional=True)  # how a GPU time was taken, where not by a graph
         _get(p, "drained", where, _strings, optional=True)
     _get(p, "err", where, _errors, optional=True)

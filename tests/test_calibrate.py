@@ -146,6 +146,42 @@ def test_bisection_finds_the_crossover_and_both_clocks_are_recorded(user_dir, cl
     assert "self-check" in printed and "flat 3.78x" in printed  # flat at 1024: (12 + 102.4) / 30.24
 
 
+def test_a_series_host_cost_is_its_median_and_one_host_sample_drops_no_backend():
+    """On a GPU each backend's host cost over a series is the median of its samples (GPU time stays per
+    point; an estimated or drained entry keeps its reading); a backend dearer than the cheapest by a
+    host sample alone is not hopeless, one dearer on GPU time too is."""
+    pts = [
+        {"m": 1, "gpu_us": {"a": 2.0, "b": 3.0}, "host_us": {"a": 10.0, "b": 12.0}},
+        {"m": 16, "gpu_us": {"a": 2.0, "b": 3.0}, "host_us": {"a": 31.0, "b": 900.0},
+         "gpu_clock": {"b": "estimate"}},
+        {"m": 256, "gpu_us": {"a": 5.0, "b": 4.0}, "host_us": {"a": 11.0, "b": 50.0}, "drained": ["b"]},
+    ]  # fmt: skip
+    plan.smooth_host(pts)
+    assert [p["host_us"]["a"] for p in pts] == [11.0, 11.0, 11.0]
+    assert [p["host_us"]["b"] for p in pts] == [12.0, 900.0, 50.0]
+    assert [p["host_us_measured"]["a"] for p in pts] == [10.0, 31.0, 11.0]
+    first = {"m": 4096, "gpu_us": {"eager": 100.0, "t": 101.0, "slow": 300.0, plan.BASELINE: 100.0},
+             "host_us": {"eager": 20.0, "t": 400.0, "slow": 30.0, plan.BASELINE: 20.0}}  # fmt: skip
+    assert plan.contenders(["eager", "t", "slow", plan.BASELINE], {4096: first}) == ["eager", "t", plan.BASELINE]
+
+
+def test_refit_fits_the_raw_points_again(user_dir, clocks, capsys):
+    """python -m dispatch.calibrate.refit: the same segments from the same points by the same rule (a CPU
+    document: no host smoothing), the refit noted, the slim table written; a slim table is refused."""
+    from dispatch.calibrate import refit
+
+    out, slim = user_dir / "t.json", user_dir / "slim" / "t.json"
+    assert calibrate.main(args(out, "--budget", "600", acts=("gelu",), features=("32",),
+                               ops=("bias_act_dropout",), backends=("flat", "slow"))) == 0  # fmt: skip
+    before = json.loads(out.read_text())
+    assert refit.main([str(out), "--slim-out", str(slim)]) == 0
+    after = json.loads(out.read_text())
+    assert [e["segments"] for e in after["entries"]] == [e["segments"] for e in before["entries"]]
+    assert after["settings"]["refit"]["rule"] == "plan.fit" and "self-check" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="slim"):
+        refit.refit(json.loads(slim.read_text()))
+
+
 def test_host_cost_decides_where_it_exceeds_gpu_time_and_explain_says_so(user_dir, clocks):
     """flat's host cost is 60 us a call: below M = 400 that exceeds both its GPU time and eager's cost,
     so eager keeps those calls although flat's GPU time is shorter from M = 111; explain() names the

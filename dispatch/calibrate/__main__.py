@@ -35,7 +35,7 @@ from dispatch import heuristics, select, timing
 from dispatch.calibrate import measure, ranks as ranking, report
 from dispatch.calibrate.plan import (
     BASELINE, FAMILY_ORDER, MODES, NOISE, PREFERENCE, Family, Plan, Series, contenders, default_plan, fit,
-    held_out_ms, hopeless_in, runs, series_of, spread, to_bisect,
+    held_out_ms, hopeless_in, runs, series_of, smooth_host, spread, to_bisect,
 )  # fmt: skip
 from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.registry import OPS, backends
@@ -232,6 +232,8 @@ class Run:
                 case = self.case(f, s.rep, f.dtype, m, features)
                 held.append(self.point(f, case, [n for n in self.names(case) if n not in dropped]))
         measured = [points[m] for m in sorted(points)]
+        if self.plan.device.type == "cuda":
+            smooth_host(measured + held)
         self.dropped.setdefault((f, s.rep), hopeless_in(measured + held))
         self.add(s, s.rep, f.dtype, features, measured, held)
         self.log.append({
