@@ -13,7 +13,7 @@ self-check print last.
 
     python -m dispatch.calibrate --quick                      # H200 ~2 min, 2 CPU cores < 3 min
     python -m dispatch.calibrate --out benchmarks/results/calibrate_points-nvidia-h200.json \\
-        --slim-out heuristics/tables/nvidia-h200.json          # full: --budget (default 480 s)
+        --slim-out heuristics/tables/nvidia-h200.json          # full: --budget (default 560 s)
     python -m dispatch.calibrate --refresh --modes training --out ...   # those families again
 """
 
@@ -56,7 +56,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add("--modes", nargs="+", choices=MODES, default=list(MODES))
     add("--backends", nargs="+", help=f"time only these ({BASELINE}, the baseline, always)")
     add("--quick", action="store_true", help="a few feature sizes and token counts, one dtype")
-    add("--budget", type=float, help="seconds for the whole run (default 480; quick 90 GPU, 150 CPU)")
+    add("--budget", type=float, help="seconds for the whole run (default 560; quick 90 GPU, 150 CPU)")
     add("--features", nargs="+", help="feature sizes: N for bias_act_dropout, N,K for fused_linear")
     add("--tokens", nargs="+", type=int, help="the coarse grid of token counts M")
     add("--out", help="default: <user dir>/<device slug>.json, the first place lookup looks")

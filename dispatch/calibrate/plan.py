@@ -125,7 +125,7 @@ def default_plan(device: torch.device, quick: bool, budget: Optional[float]) -> 
         device, False, (torch.bfloat16, torch.float32) if gpu else (torch.float32, torch.bfloat16),
         SHARED_DTYPES if gpu else {}, FEATURES, (1, 16, 256, 4096, 65536) if gpu else (1, 16, 256, 4096),
         2.0, 2**28 if gpu else 2**22, 2**40 if gpu else 2**30, 3,
-        budget if budget is not None else 480.0, FLOAT32_SIZES if gpu else 0,
+        budget if budget is not None else 560.0, FLOAT32_SIZES if gpu else 0,
     )  # fmt: skip
 
 
