@@ -394,19 +394,20 @@ class Clock:
                 out[name] = exc
             spent[name] += time.monotonic() - start
         best = min((e for n, e in est.items() if n != BASELINE), default=0.0)
-        for name, e in list(est.items()):
-            if name != BASELINE and e >= SKIP_MS and e > HOPELESS_X * best:
-                try:  # two runs can catch a host stall: the lower of two estimates decides
-                    e = min(e, self.estimate_ms(timers[name]))
-                except Exception as exc:
-                    _settle(self.device)
-                    out[name], e = exc, 0.0
-                    del est[name]
-                if e >= SKIP_MS and e > HOPELESS_X * best:
-                    out[name] = Timed(e * 1e3, e * 1e3, "estimate", False)
-                    del est[name]
-                elif name in est:
-                    est[name] = e
+        def hopeless(name: str) -> bool:
+            return name != BASELINE and est[name] >= SKIP_MS and est[name] > HOPELESS_X * best
+
+        for name in [n for n in est if hopeless(n)]:
+            try:  # two runs can catch a host stall: the lower of two estimates decides
+                est[name] = min(est[name], self.estimate_ms(timers[name]))
+            except Exception as exc:
+                _settle(self.device)
+                out[name] = exc
+                del est[name]
+                continue
+            if hopeless(name):
+                out[name] = Timed(est[name] * 1e3, est[name] * 1e3, "estimate", False)
+                del est[name]
         return est, out
 
     def time(

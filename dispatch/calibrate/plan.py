@@ -213,10 +213,15 @@ def costs(point: dict, host: Optional[dict[str, float]] = None) -> dict[str, flo
     return {n: max(gpu[n], host[n]) for n in gpu if n in host and n != BASELINE}
 
 
+def estimated(p: dict) -> set[str]:
+    """The entries a point holds at their estimate (hopeless there, not timed in rounds)."""
+    return {n for n, how in p.get("gpu_clock", {}).items() if how == "estimate"}
+
+
 def _host_samples(p: dict) -> dict[str, float]:
     """The point's host costs taken by the host clock (not a hopeless entry's estimate, not a drained
     queue's, which include waiting on the GPU)."""
-    skip = set(p.get("drained", [])) | {n for n, how in p.get("gpu_clock", {}).items() if how == "estimate"}
+    skip = set(p.get("drained", [])) | estimated(p)
     return {n: v for n, v in p.get("host_us_measured", p["host_us"]).items() if n not in skip}
 
 
@@ -337,11 +342,10 @@ def contenders(names: list[str], points: dict[int, dict]) -> list[str]:
     recompiles at each new M, 1-3 s a point.)"""
     keep = []
     host = series_host(list(points.values())) if len(points) > 1 else None
+    smoothed = [c for c in (costs(p, host) for p in points.values()) if c]
     for name in names:
         seen = [p for p in points.values() if name in costs(p)]
-        beaten = len(seen) >= 2 and all(
-            costs(p, host)[name] > (1 + PRUNE) * min(costs(p, host).values()) for p in seen
-        )
+        beaten = len(seen) >= 2 and all(c[name] > (1 + PRUNE) * min(c.values()) for c in smoothed if name in c)
         if name in ("eager", BASELINE) or not (beaten or (len(seen) == 1 and _hopeless(name, seen[0]))):
             keep.append(name)
     return keep

@@ -13,7 +13,7 @@ import torch
 
 from dispatch import heuristics
 from dispatch.calibrate.measure import Case
-from dispatch.calibrate.plan import BASELINE, costs
+from dispatch.calibrate.plan import BASELINE, costs, estimated
 
 TARGETS = {"within_5pct": 0.95, "worst_regret": 0.10, "worst_vs_pytorch": 0.03}
 WITHIN = 0.05
@@ -78,7 +78,7 @@ def self_check(doc: dict) -> dict:
     # point whose pick was estimated is left out, and estimated others are not the fastest
     by_gpu = []
     for _, pt, c in found:
-        guessed = {n for n, how in pt.get("gpu_clock", {}).items() if how == "estimate"}
+        guessed = estimated(pt)
         if c not in guessed:
             by_gpu.append(({n: pt["gpu_us"][n] for n in costs(pt) if n not in guessed}, pt["gpu_us"].get(BASELINE), c))
     result = _stats(by_cost)
