@@ -202,8 +202,11 @@ def test_fused_linear_each_change_gets_its_own_compiled_function(backend):
 _CONCURRENT = """
 import sys, threading, traceback, warnings
 import torch
+import torch._inductor.config
 from dispatch import fused_bias_act_dropout
 
+if not torch.cuda.is_available():
+    torch._inductor.config.cpp.simdlen = 0  # scalar C++, as in conftest: no vector-ISA probe
 THREADS = 8
 backend, activations = sys.argv[1], sys.argv[2].split(",")
 acts = [activations[i % len(activations)] for i in range(THREADS)]  # threads share kinds, too
