@@ -60,6 +60,9 @@ class HeuristicsWarning(UserWarning):
 class Choice:
     backend: str
     description: str  # which table and cell decided, for explain()
+    # the winner by GPU time alone where it is another backend (the cell is host-bound): what a call
+    # captured in a CUDA graph should run, its host cost paid once at capture
+    gpu_backend: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -540,7 +543,8 @@ class Table:
             margin = f" by {seg.margin:+.0%}" if seg.margin is not None else ""
             notes.append(f"runner-up {seg.runner_up}{margin}")
         where = f"heuristics table {self.slug}{via} ({self.path})"
-        return Choice(seg.backend, f"{where}: {call.op} {dtype} {call.activation} {mode}, {'; '.join(notes)}")
+        gpu = seg.gpu_backend if seg.gpu_backend != seg.backend else None
+        return Choice(seg.backend, f"{where}: {call.op} {dtype} {call.activation} {mode}, {'; '.join(notes)}", gpu)
 
     def version_mismatch(self) -> list[str]:
         stored, running = self.data.get("versions") or {}, running_versions()

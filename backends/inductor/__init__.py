@@ -47,6 +47,7 @@ def _declare() -> Backend:
             min_capability=(7, 0),
             extra_reasons=_extra_reasons,
             label=_label,
+            compiles=True,
         )
     )
 

@@ -55,6 +55,7 @@ def _declare() -> Backend:
             summary="functorch memory_efficient_fusion compiled by TorchScript (NNC fuser on CUDA)",
             unavailable=_unavailable,
             label=_label,
+            compiles=True,
         )
     )
 

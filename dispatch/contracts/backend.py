@@ -142,6 +142,9 @@ class Backend:
     unavailable: Callable[[], Optional[str]] = _always_available
     extra_reasons: Callable[[Call, bool], list[str]] = _no_extra_reasons
     label: Callable[[], str] = field(default=lambda: "")
+    # Traces and compiles a graph for each new kind of call (seconds on a first call, with work of its
+    # own on the GPU): never given a call for the first time inside a CUDA-graph capture.
+    compiles: bool = False
 
     def display_name(self) -> str:
         detail = self.label()
