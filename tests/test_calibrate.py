@@ -192,18 +192,21 @@ def test_host_cost_decides_where_it_exceeds_gpu_time_and_explain_says_so(user_di
     out = user_dir / "t.json"
     assert calibrate.main(args(out, tokens=("1", "64", "4096"))) == 0
     e = next(e for e in heuristics.load_table(str(out)).data["entries"] if not e["dropout"])
-    # segments split where the binding clock changes: eager host-bound (M = 1: 15 > 10.1 us), eager
-    # GPU-bound, flat host-bound (60 us > 20 + M / 100), flat GPU-bound (M = 4096: 61 > 60 us)
-    assert [(s["backend"], s["clock"]) for s in e["segments"]] == [
-        ("eager", "host"),
-        ("eager", "gpu"),
-        ("flat", "host"),
-        ("flat", "gpu"),
+    # segments split where the binding clock or the winner by GPU time alone changes: eager host-bound
+    # (M = 1: 15 > 10.1 us), eager GPU-bound, the same with flat faster by GPU time alone (from M = 111),
+    # flat host-bound (60 us > 20 + M / 100), flat GPU-bound (M = 4096: 61 > 60 us)
+    assert [(s["backend"], s["clock"], s["gpu_backend"]) for s in e["segments"]] == [
+        ("eager", "host", "eager"),
+        ("eager", "gpu", "eager"),
+        ("eager", "gpu", "flat"),
+        ("flat", "host", "flat"),
+        ("flat", "gpu", "flat"),
     ]
-    # eager's cost reaches flat's 60 us at M = 500 (by GPU time alone at 111); quick bisects to within 4x
-    cut = e["segments"][2]["m_from"]
+    # flat's GPU time beats eager's from M = 111, eager's cost reaches flat's 60 us at M = 500; quick
+    # bisects to within 4x
+    assert 28 <= e["segments"][2]["m_from"] <= 444, segments(e)
+    cut = e["segments"][3]["m_from"]
     assert 400 <= cut <= 2000, segments(e)
-    assert e["segments"][1]["gpu_backend"] == "flat" and e["segments"][3]["gpu_backend"] == "flat"
     near_cut = [p for p in e["points"] if 111 < p["m"] < cut]
     assert near_cut and all(
         plan.rank({n: p["gpu_us"][n] for n in ("eager", "flat")})[0] == "flat" for p in near_cut
@@ -215,6 +218,9 @@ def test_host_cost_decides_where_it_exceeds_gpu_time_and_explain_says_so(user_di
     text = str(explain("fused_bias_act_dropout", torch.randn(4096, 32), None, "gelu", 0.0))
     assert "runs on: flat" in text and "GPU-bound: GPU time 61 us > host 60 us" in text, text
     assert "max(GPU time, host cost)" in text
+    m = e["segments"][2]["m_from"]  # eager's cell where flat is faster by GPU time: flat under capture
+    decision = explain("fused_bias_act_dropout", torch.randn(m, 32), None, "gelu", 0.0)
+    assert decision.backend.name == "eager" and decision.captured.name == "flat", str(decision)
 
 
 def test_a_backend_that_fails_parity_never_wins(user_dir, clocks, monkeypatch):

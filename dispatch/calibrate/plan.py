@@ -269,13 +269,20 @@ def bound(point: dict, name: str) -> str:
     return "host" if point["host_us"][name] > point["gpu_us"][name] else "gpu"
 
 
+def gpu_winner(point: dict) -> str:
+    """The winner by GPU time alone among the backends with a cost at ``point``: what a call captured
+    in a CUDA graph should run (``gpu_backend``)."""
+    return rank({n: point["gpu_us"][n] for n in costs(point)})[0]
+
+
 def runs(points: list[dict], by_clock: bool = False) -> list[tuple[str, list[dict]]]:
-    """Consecutive points (by M) with one winner (and, ``by_clock``, one clock binding it)."""
+    """Consecutive points (by M) with one winner (and, ``by_clock``, one clock binding it and one
+    winner by GPU time alone)."""
     out: list[tuple[str, list[dict]]] = []
     last = None
     for p in sorted((p for p in points if costs(p)), key=lambda p: p["m"]):
         w = winner(p)
-        key = (w, bound(p, w) if by_clock else None)
+        key = (w, bound(p, w), gpu_winner(p)) if by_clock else (w,)
         if out and key == last:
             out[-1][1].append(p)
         else:
@@ -306,7 +313,7 @@ def segment(m_from: int, name: str, points: list[dict]) -> dict:
         "margin": round(margin(tight), 4) if runner else None,
         "speedup": round(min(speedups), 4) if speedups else None,
         "m": tight["m"], "clock": bound(tight, name),
-        "gpu_backend": rank({n: gpu[n] for n in c})[0],
+        "gpu_backend": gpu_winner(tight),
         "gpu_us": {n: gpu[n] for n in shown}, "host_us": {n: host[n] for n in shown},
     }  # fmt: skip
     if tight in base:
@@ -316,9 +323,9 @@ def segment(m_from: int, name: str, points: list[dict]) -> dict:
 
 
 def fit(points: list[dict]) -> list[dict]:
-    """Segments along M: a new one where the winner, or the clock that binds it, changes, from the
-    geometric middle of the two points that bracket the change (so explain() names the clock that
-    held at every measured point of the segment)."""
+    """Segments along M: a new one where the winner, the clock that binds it or the winner by GPU time
+    alone changes, from the geometric middle of the two points that bracket the change (so explain()
+    names the clock, and capture the backend, that held at every measured point of the segment)."""
     segments, prev = [], 0
     for name, pts in runs(points, by_clock=True):
         m_from = 1 if not segments else max(prev + 1, math.ceil(math.sqrt(prev * pts[0]["m"])))

@@ -2,7 +2,7 @@
 
 The self-check asks the written table for its pick at each held-out point (one token count per series
 that the fit never saw) and compares it with the timings there, twice: by the rule's cost
-(max(gpu_us, host_us)) and by GPU time alone.
+(max(gpu_us, host_us)) and, for its pick under CUDA-graph capture, by GPU time alone.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from dispatch import heuristics
+from dispatch import heuristics, select
 from dispatch.calibrate.measure import Case
 from dispatch.calibrate.plan import BASELINE, costs, estimated
 
@@ -34,15 +34,18 @@ def case_of(e: dict, m: int) -> Case:
     )
 
 
-def picks(doc: dict) -> list[tuple[dict, dict, Optional[str]]]:
-    """(entry, held-out point, the table's pick there) for every held-out point with timings."""
+def picks(doc: dict) -> list[tuple[dict, dict, Optional[str], Optional[str]]]:
+    """(entry, held-out point, the table's pick there, its pick for a call captured in a CUDA graph)
+    for every held-out point with timings."""
     table = heuristics.Table(doc, "<calibration>")
     out = []
     for e in doc["entries"]:
         for pt in e.get("held_out", []):
             if costs(pt):
                 choice = table.choose(case_of(e, pt["m"]).call())
-                out.append((e, pt, choice.backend if choice else None))
+                pick = choice.backend if choice else None
+                captured = select.capture_pick(choice, {})[0] if choice else None  # measured: it serves
+                out.append((e, pt, pick, captured.name if captured is not None else pick))
     return out
 
 
@@ -68,16 +71,17 @@ def _stats(found: list[tuple[dict[str, float], Optional[float], Optional[str]]])
 
 
 def self_check(doc: dict) -> dict:
-    """The table's picks on the held-out points against TARGETS, by cost and by GPU time alone."""
+    """The table's picks on the held-out points against TARGETS, by cost and, with the pick for calls
+    captured in a CUDA graph, by GPU time alone."""
     found = picks(doc)
     by_cost = [
         (costs(pt), max(pt["gpu_us"].get(BASELINE, 0), pt["host_us"].get(BASELINE, 0)), c)
-        for _, pt, c in found
+        for _, pt, c, _ in found
     ]
     # GPU time alone: an untimed hopeless entry's estimate is no GPU time (it holds the host's), so a
     # point whose pick was estimated is left out, and estimated others are not the fastest
     by_gpu = []
-    for _, pt, c in found:
+    for _, pt, _, c in found:
         guessed = estimated(pt)
         if c not in guessed:
             by_gpu.append(({n: pt["gpu_us"][n] for n in costs(pt) if n not in guessed}, pt["gpu_us"].get(BASELINE), c))
