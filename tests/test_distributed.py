@@ -241,3 +241,37 @@ def test_torchrun_calibrate_shards_the_series_and_writes_one_table(tmp_path):
     for e in table["entries"]:  # a single process's entries: segments over measured points, both clocks
         assert e["segments"] and e["points"] and all(p["gpu_us"].keys() == p["host_us"].keys() for p in e["points"])
     assert not list(tmp_path.glob("*.rank*.json"))
+
+
+def test_a_failing_rank_fails_the_run_and_resume_continues(tmp_path):
+    """Rank 1 raises at its second series: torchrun fails with that error and rank 1's checkpoint keeps
+    the series it finished; ``--resume`` on two ranks measures the rest and writes the whole table,
+    with the checkpointed entries as they were measured."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DISPATCH_HEURISTICS_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    out = tmp_path / "t.json"
+
+    def torchrun(*entry):
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+             *entry, *CALIBRATE, "--out", str(out)],
+            env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(__file__),
+        )  # fmt: skip
+
+    failed = torchrun(os.path.join(os.path.dirname(__file__), "rank_fails.py"))
+    assert failed.returncode != 0 and "rank 1 fails here on purpose" in failed.stdout + failed.stderr
+    assert not out.exists()
+    kept = json.loads((tmp_path / "t.json.rank1.json").read_text())["entries"]
+    assert kept, "rank 1 checkpointed nothing before it failed"
+    resumed = torchrun("-m", "dispatch.calibrate", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    table = json.loads(out.read_text())
+    assert len(table["entries"]) == 6 and not list(tmp_path.glob("*.rank*.json"))
+    final = {(e["op"], e["mode"], e["dropout"], tuple(e["features"])): e for e in table["entries"]}
+    for e in kept:  # not measured again: the same points
+        assert final[(e["op"], e["mode"], e["dropout"], tuple(e["features"]))]["points"] == e["points"]
+
