@@ -491,3 +491,24 @@ def test_small_calibration_on_gpu(user_dir, capsys):
             # (nvfuser / inductor dropout training at 4096 x 4096 stalled the host 23-86 ms, H200)
             assert all(p["host_us"][name] > 1e3 * measure.HOST_CAP_MS for name in p.get("drained", [])), p
     assert "self-check" in capsys.readouterr().out
+
+
+def test_host_cost_is_the_family_median_of_the_measured_series():
+    """On a GPU each backend's host cost is the median of its samples over the measured series of one op,
+    mode and dropout (any size, activation or dtype); an activation sharing a series' timings adds no
+    samples of its own, and another family keeps its own."""
+
+    def entry(features, act="gelu", rep="gelu", mode="inference", samples=None):
+        points = [{"m": m, "gpu_us": {"eager": 1.0, "triton": 1.0}, "host_us": dict(s)} for m, s in samples]
+        return {"op": "bias_act_dropout", "dtype": "bfloat16", "activation": act, "measured_as": rep, "mode": mode,
+                "dropout": False, "features": [features], "points": points}  # fmt: skip
+
+    a = entry(768, samples=[(1, {"eager": 10.0, "triton": 50.0}), (64, {"eager": 12.0, "triton": 48.0})])
+    b = entry(4096, samples=[(1, {"eager": 30.0, "triton": 70.0})])
+    member = entry(768, act="relu", samples=[(1, {"eager": 1000.0, "triton": 1000.0})])
+    other = entry(768, mode="training", samples=[(1, {"eager": 200.0, "triton": 300.0})])
+    plan.pool_host([a, b, member, other])
+    for e in (a, b, member):
+        assert all(p["host_us"] == {"eager": 12.0, "triton": 50.0} for p in e["points"]), e["points"]
+    assert other["points"][0]["host_us"] == {"eager": 200.0, "triton": 300.0}
+    assert member["points"][0]["host_us_measured"] == {"eager": 1000.0, "triton": 1000.0}  # the clock's reading kept

@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from dispatch import heuristics, select, timing
-from dispatch.calibrate import measure, ranks as ranking, report
+from dispatch.calibrate import measure, ranks as ranking, refit, report
 from dispatch.calibrate.plan import (
     BASELINE, FAMILY_ORDER, MODES, NOISE, PREFERENCE, Family, Plan, Series, contenders, default_plan, fit,
     held_out_ms, hopeless_in, runs, series_of, smooth_host, spread, to_bisect,
@@ -465,6 +465,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ranking.finish(out, ranks)
             return 0
         run.entries = {_key(e): e for e in everyone}
+    if cuda:  # every rank's series in hand: the family's host costs decide (plan.pool_host)
+        refit.refit_entries(list(run.entries.values()), gpu=True)
     done = history()
     run.info = {**info, "measured_bandwidth_gbs": _bandwidth_gbs(device)}
     doc = run.document(extra=done)

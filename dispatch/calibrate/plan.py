@@ -250,6 +250,28 @@ def smooth_host(points: list[dict]) -> None:
                 p["host_us"][n] = float(f"{med[n]:.4g}")
 
 
+def pool_host(entries: list[dict]) -> None:
+    """Sets every point's host costs to its family's medians, in place: the median of each backend's
+    samples over the measured series of one op, mode and dropout, whatever their dtype, activation and
+    size (the host runs the same checks, launches and autograd for all of them). Series medians still
+    moved 15% (median) to 1.8x (p90) against each other between two full H200 runs, and 9% of the choice
+    cells with them; family medians leave 4.5% (refit-2026-12-02.log). GPU clocks only, as smooth_host."""
+    family = lambda e: (e["op"], e["mode"], e["dropout"])  # noqa: E731
+    samples: dict[tuple, list[dict]] = {}
+    for e in entries:
+        if e["activation"] == e["measured_as"] and "measured_dtype" not in e:  # a measured series
+            samples.setdefault(family(e), []).extend(e["points"] + e.get("held_out", []))
+    medians = {k: series_host(v) for k, v in samples.items()}
+    for e in entries:
+        med = medians.get(family(e), {})
+        for p in e["points"] + e.get("held_out", []):
+            own = _host_samples(p)
+            p.setdefault("host_us_measured", dict(p["host_us"]))
+            for n in own:
+                if n in med:
+                    p["host_us"][n] = float(f"{med[n]:.4g}")
+
+
 def rank(values: dict[str, float]) -> list[str]:
     """Names best first: among those within NOISE of the smallest value the preferred one wins, the
     rest follow by value."""

@@ -49,6 +49,26 @@ def picks(doc: dict) -> list[tuple[dict, dict, Optional[str], Optional[str]]]:
     return out
 
 
+AGREE_M = tuple(4**i for i in range(9))  # 1 .. 65536: the choice tables' token counts, every other one
+
+
+def agreement(a: dict, b: dict) -> tuple[float, int]:
+    """The share of cells (each entry both documents have, at each of AGREE_M) where their tables pick
+    the same backend, and the number of cells."""
+    ta, tb = heuristics.Table(a, "<a>"), heuristics.Table(b, "<b>")
+    keys = {(e["op"], e["dtype"], e["activation"], e["mode"], e["dropout"], tuple(e["features"])): e for e in a["entries"]}
+    cells = same = 0
+    for e in b["entries"]:
+        if (e["op"], e["dtype"], e["activation"], e["mode"], e["dropout"], tuple(e["features"])) not in keys:
+            continue
+        for m in AGREE_M:
+            call = case_of(e, m).call()
+            ca, cb = ta.choose(call), tb.choose(call)
+            cells += 1
+            same += (ca and ca.backend) == (cb and cb.backend)
+    return (same / cells if cells else 0.0), cells
+
+
 def _stats(found: list[tuple[dict[str, float], Optional[float], Optional[str]]]) -> dict:
     """Over (each backend's time, the baseline's, the pick): the share within 5% of the fastest, the
     worst regret, the worst slowdown against plain PyTorch."""
