@@ -255,7 +255,7 @@ def pool_host(entries: list[dict]) -> None:
     samples over the measured series of one op, mode and dropout, whatever their dtype, activation and
     size (the host runs the same checks, launches and autograd for all of them). Series medians still
     moved 15% (median) to 1.8x (p90) against each other between two full H200 runs, and 9% of the choice
-    cells with them; family medians leave 4.5% (refit-2026-12-02.log). GPU clocks only, as smooth_host."""
+    cells with them; family medians leave 3.9% (refit-2026-12-02.log). GPU clocks only, as smooth_host."""
     family = lambda e: (e["op"], e["mode"], e["dropout"])  # noqa: E731
     samples: dict[tuple, list[dict]] = {}
     for e in entries:

@@ -1,6 +1,6 @@
 """python -m dispatch.calibrate.refit: a calibration's raw points fitted again by today's rule, no timing.
 
-For a change of the decision rule (``plan.fit``, ``plan.smooth_host``), the measured points of a full
+For a change of the decision rule (``plan.fit``, ``plan.pool_host``), the measured points of a full
 run are fitted again instead of measured again: on a GPU each point's host costs become its family's
 medians (the clock's readings stay under ``host_us_measured``), the segments are refitted, and the
 self-check runs on the held-out points; ``python -m dispatch.calibrate`` ends with the same fit. A backend
