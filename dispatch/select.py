@@ -220,7 +220,8 @@ def decide(call: Call, requested: Optional[str], source: str = "") -> Decision:
     skipped = ""
     if choice is not None:
         if choice.backend in everyone and not reasons[choice.backend]:
-            captured, why = capture_pick(choice, reasons)
+            # only a CUDA call can be captured (and a CPU-only torch cannot even be asked)
+            captured, why = capture_pick(choice, reasons) if call.device.type == "cuda" else (None, "")
             return Decision(call, everyone[choice.backend], choice.description, reasons, captured, why)
         if choice.backend not in everyone:  # a newer or forked table: the reference, as with no table
             _warn_unknown(choice)
