@@ -382,10 +382,12 @@ def test_host_clock_waits_for_no_gpu():
     assert spent["eager"] > 0
 
 
-def test_clock_chains_short_training_calls_and_keeps_hopeless_entries_at_their_estimate(monkeypatch):
-    """Clock.prepare: a training call estimated under CHAIN_BELOW_MS is rebuilt as TRAIN_CHAIN forwards
-    per backward; an entry at least SKIP_MS a call and over HOPELESS_X times the cheapest backend keeps
-    its estimate untimed; the baseline and an entry within HOPELESS_X are timed in rounds."""
+def test_clock_chains_a_short_point_alike_and_keeps_hopeless_entries_at_their_estimate(monkeypatch):
+    """Clock.prepare: where the point's cheapest entry is estimated under CHAIN_BELOW_MS, every training
+    entry still in the running (the baseline too) is rebuilt as TRAIN_CHAIN forwards per backward, so
+    no point mixes chained and single timings; an entry at least SKIP_MS a call and over HOPELESS_X
+    times the cheapest keeps its single-call estimate untimed; a point whose cheapest entry is at
+    CHAIN_BELOW_MS or more is timed one forward per backward throughout."""
     case = measure.Case("fused_linear", torch.float32, "relu", True, False, 4, (8, 8), CPU)
     built = []
 
@@ -400,16 +402,29 @@ def test_clock_chains_short_training_calls_and_keeps_hopeless_entries_at_their_e
     monkeypatch.setattr(measure.Clock, "first", lambda self, t: 0.0)
     monkeypatch.setattr(measure.Clock, "estimate_ms", lambda self, t: est_of[id(t)])
     slow = 3 * measure.HOPELESS_X * measure.SKIP_MS
+
+    def prepare(cheapest):
+        built.clear()
+        near = 0.95 * measure.HOPELESS_X * cheapest  # within HOPELESS_X of the cheapest entry
+        assert near >= measure.SKIP_MS
+        timers = {"short": timer("short", cheapest), "near": timer("near", near, chain=False),
+                  "hopeless": timer("hopeless", slow), plan.BASELINE: timer(plan.BASELINE, slow)}  # fmt: skip
+        spent = dict.fromkeys(timers, 0.0)
+        est, out = measure.Clock(CPU, 3, False).prepare(timers, lambda n: True, spent)
+        assert set(est) == {"short", "near", plan.BASELINE}
+        assert est["near"] == near and timers["near"].calls == 1
+        assert out["hopeless"] == measure.Timed(slow * 1e3, slow * 1e3, "estimate", False)
+        return est, timers
+
     short = 0.9 * measure.CHAIN_BELOW_MS
-    near = 0.95 * measure.HOPELESS_X * 0.9 * short  # within HOPELESS_X of short's chained estimate
-    assert near >= measure.SKIP_MS
-    timers = {"short": timer("short", short), "near": timer("near", near, chain=False),
-              "hopeless": timer("hopeless", slow), plan.BASELINE: timer(plan.BASELINE, slow)}  # fmt: skip
-    spent = dict.fromkeys(timers, 0.0)
-    est, out = measure.Clock(CPU, 3, False).prepare(timers, lambda n: True, spent)
-    assert built == ["short"] and timers["short"].calls == 4 and est["short"] == pytest.approx(0.9 * short)
-    assert set(est) == {"short", "near", plan.BASELINE}
-    assert out["hopeless"] == measure.Timed(slow * 1e3, slow * 1e3, "estimate", False)
+    est, timers = prepare(short)
+    assert built == ["short", plan.BASELINE]
+    assert [timers[n].calls for n in ("short", plan.BASELINE)] == [4, 4]
+    assert est["short"] == pytest.approx(0.9 * short) and est[plan.BASELINE] == pytest.approx(0.9 * slow)
+    long = 1.1 * measure.CHAIN_BELOW_MS
+    est, timers = prepare(long)
+    assert built == [] and est["short"] == long and est[plan.BASELINE] == slow
+    assert [timers[n].calls for n in ("short", plan.BASELINE)] == [1, 1]
 
 
 def test_cuda_clocks_retry_a_drained_queue_and_fall_back_where_capture_fails(monkeypatch):
