@@ -163,6 +163,11 @@ def test_a_series_host_cost_is_its_median_and_one_host_sample_drops_no_backend()
     first = {"m": 4096, "gpu_us": {"eager": 100.0, "t": 101.0, "slow": 300.0, plan.BASELINE: 100.0},
              "host_us": {"eager": 20.0, "t": 400.0, "slow": 30.0, plan.BASELINE: 20.0}}  # fmt: skip
     assert plan.contenders(["eager", "t", "slow", plan.BASELINE], {4096: first}) == ["eager", "t", plan.BASELINE]
+    # dearer by host cost at two points but fastest on the GPU: kept (a captured call runs it); dearer
+    # on both clocks at both points: pruned
+    pts = {m: {"m": m, "gpu_us": {"eager": 50.0, "t": 40.0, "u": 80.0, plan.BASELINE: 50.0},
+               "host_us": {"eager": 100.0, "t": 140.0, "u": 140.0, plan.BASELINE: 100.0}} for m in (256, 4096)}  # fmt: skip
+    assert plan.contenders(["eager", "t", "u", plan.BASELINE], pts) == ["eager", "t", plan.BASELINE]
 
 
 def test_refit_fits_the_raw_points_again(user_dir, clocks, capsys):
