@@ -366,21 +366,25 @@ def contenders(names: list[str], points: dict[int, dict]) -> list[str]:
     """``names`` less the backends this series has seen lose clearly: dearer than the cheapest by PRUNE
     at two or more points, on its cost and on GPU time (a host-bound cell's captured pick is its GPU
     winner: pruning on cost alone dropped triton from DeiT-small's 2048 x 1536 x 384 gelu training,
-    41 us on the GPU against eager's 52, for its 1.3x host cost), or, at the first point (the largest M, where host cost weighs least), by
-    HOPELESS with a host cost no lower than the cheapest's, so that the smaller M where host cost weighs
-    more cannot favour it. Eager, the reference, is always timed. (On the H200 this drops the
+    41 us on the GPU against eager's 52, for its 1.3x host cost), or, at the first point (the largest
+    M, where host cost weighs least), by HOPELESS with a host cost no lower than the cheapest's, so
+    that the smaller M where host cost weighs more cannot favour it. Eager, the reference, is always timed. (On the H200 this drops the
     traced-Philox dropout of nvfuser and inductor, 7-200x triton's time, after one point; nvfuser
     recompiles at each new M, 1-3 s a point.)"""
     keep = []
     host = series_host(list(points.values())) if len(points) > 1 else None
-
-    def dearer(name: str, p: dict) -> bool:  # on its cost and on GPU time alone, as _hopeless
-        c, gpu = costs(p, host), p["gpu_us"]
-        return c[name] > (1 + PRUNE) * min(c.values()) and gpu[name] > (1 + PRUNE) * min(gpu[n] for n in c)
-
+    # per point, once: smoothed costs, the cheapest cost and the fastest GPU time among the timed
+    bars = []
+    for p in points.values():
+        c = costs(p, host)
+        if c:
+            bars.append((c, p["gpu_us"], min(c.values()), min(p["gpu_us"][n] for n in c)))
     for name in names:
         seen = [p for p in points.values() if name in costs(p)]
-        beaten = len(seen) >= 2 and all(dearer(name, p) for p in seen)
+        beaten = len(seen) >= 2 and all(
+            c[name] > (1 + PRUNE) * cheapest and gpu[name] > (1 + PRUNE) * fastest
+            for c, gpu, cheapest, fastest in bars if name in c
+        )
         if name in ("eager", BASELINE) or not (beaten or (len(seen) == 1 and _hopeless(name, seen[0]))):
             keep.append(name)
     return keep
