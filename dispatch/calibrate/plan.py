@@ -368,9 +368,9 @@ def contenders(names: list[str], points: dict[int, dict]) -> list[str]:
     winner: pruning on cost alone dropped triton from DeiT-small's 2048 x 1536 x 384 gelu training,
     41 us on the GPU against eager's 52, for its 1.3x host cost), or, at the first point (the largest
     M, where host cost weighs least), by HOPELESS with a host cost no lower than the cheapest's, so
-    that the smaller M where host cost weighs more cannot favour it. Eager, the reference, is always timed. (On the H200 this drops the
-    traced-Philox dropout of nvfuser and inductor, 7-200x triton's time, after one point; nvfuser
-    recompiles at each new M, 1-3 s a point.)"""
+    that the smaller M where host cost weighs more cannot favour it. Eager, the reference, is always
+    timed. (On the H200 this drops the traced-Philox dropout of nvfuser and inductor, 7-200x triton's
+    time, after one point; nvfuser recompiles at each new M, 1-3 s a point.)"""
     keep = []
     host = series_host(list(points.values())) if len(points) > 1 else None
     # per point, once: smoothed costs, the cheapest cost and the fastest GPU time among the timed
