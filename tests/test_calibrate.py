@@ -168,6 +168,22 @@ def test_a_series_host_cost_is_its_median_and_one_host_sample_drops_no_backend()
     pts = {m: {"m": m, "gpu_us": {"eager": 50.0, "t": 40.0, "u": 80.0, plan.BASELINE: 50.0},
                "host_us": {"eager": 100.0, "t": 140.0, "u": 140.0, plan.BASELINE: 100.0}} for m in (256, 4096)}  # fmt: skip
     assert plan.contenders(["eager", "t", "u", plan.BASELINE], pts) == ["eager", "t", plan.BASELINE]
+    # a backend serving only the representative ("lt": cuBLASLt's tanh-only GELU) prunes nobody: the
+    # members it lacks would lose their fastest backend
+    pts = {m: {"m": m, "gpu_us": {"eager": 100.0, "t": 90.0, "lt": 60.0, plan.BASELINE: 100.0},
+               "host_us": {"eager": 20.0, "t": 30.0, "lt": 20.0, plan.BASELINE: 20.0}} for m in (256, 4096)}  # fmt: skip
+    names = ["eager", "t", "lt", plan.BASELINE]
+    assert plan.contenders(names, pts) == ["eager", "lt", plan.BASELINE]
+    assert plan.contenders(names, pts, frozenset({"lt"})) == names
+    one = {"m": 4096, "gpu_us": {"eager": 100.0, "t": 90.0, "lt": 30.0},
+           "host_us": {"eager": 20.0, "t": 30.0, "lt": 20.0}}  # fmt: skip
+    assert plan.hopeless_in([one]) == {"t"} and plan.hopeless_in([one], frozenset({"lt"})) == set()
+    fam = plan.Family("fused_linear", torch.bfloat16, "inference", False)
+    acts = ("gelu_tanh", "gelu", "identity")
+    series = {s.rep: s for s in plan.series_of(plan.default_plan(CPU, False, None), fam, acts)}
+    lt_only = plan.servers("fused_linear", "gelu_tanh") - plan.servers("fused_linear", "gelu")
+    assert series["gelu_tanh"].partial == lt_only and "cublaslt" in lt_only
+    assert series["identity"].partial == frozenset()
 
 
 def test_refit_fits_the_raw_points_again(user_dir, clocks, capsys):
@@ -475,8 +491,16 @@ def test_cuda_clocks_retry_a_drained_queue_and_fall_back_where_capture_fails(mon
         sample = clock.sample(t, 0.01)
         assert sample.gpu_us == 500.0 and sample.how.startswith("do_bench (capture failed: RuntimeError")
     assert len(captures) == 1  # tried once per backend and kind of call
-    sample = clock.sample(t, measure.SLOW_MS)  # a long call: events around back-to-back calls
-    assert sample.how == "events" and sample.gpu_us == measure.SLOW_MS * 1e3
+    # a long call: events around back-to-back calls, read afresh in every round (the estimate it was
+    # planned by is one reading, taken right after its first call), the median of the rounds kept
+    readings = iter([9.0, 6.0, 8.0, 7.0])  # prepare's estimate, then one per round
+    monkeypatch.setattr(measure.Clock, "first", lambda self, t: 0.0)
+    monkeypatch.setattr(measure.Clock, "estimate_ms", lambda self, t: next(readings))
+    monkeypatch.setattr(measure.Clock, "host_us", lambda self, t, est_ms: (50.0, False))
+    served = measure.Case("fused_linear", torch.float32, "relu", False, False, 4, (8, 8), CPU)
+    long = measure.Timer(lambda: None, [], 1, "eager", served)
+    got, _ = clock.time({"eager": long})
+    assert got["eager"].how == "events" and got["eager"].gpu_us == 7000.0  # median of 6, 8, 7 ms
 
 
 @pytest.mark.gpu

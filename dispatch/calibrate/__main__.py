@@ -220,9 +220,8 @@ class Run:
                 if points and self.left(f) <= 0:
                     break
                 case = self.case(f, s.rep, f.dtype, m, features)
-                points[m] = self.point(
-                    f, case, contenders([n for n in self.names(case) if n not in dropped], points)
-                )
+                names = [n for n in self.names(case) if n not in dropped]
+                points[m] = self.point(f, case, contenders(names, points, s.partial))
             pending = [m for m in to_bisect(points, self.plan.ratio) if m not in points and self.left(f) > 0]
         held = []
         for m in held_out_ms(
@@ -234,7 +233,7 @@ class Run:
         measured = [points[m] for m in sorted(points)]
         if self.plan.device.type == "cuda":
             smooth_host(measured + held)
-        self.dropped.setdefault((f, s.rep), hopeless_in(measured + held))
+        self.dropped.setdefault((f, s.rep), hopeless_in(measured + held, s.partial))
         self.add(s, s.rep, f.dtype, features, measured, held)
         self.log.append({
             "series": s.label, "features": list(features), "points": len(measured) + len(held),

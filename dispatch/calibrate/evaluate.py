@@ -78,8 +78,6 @@ def time_case(case: measure.Case, clock: measure.Clock, rounds: int) -> dict[str
                 out[name] = {"gpu": [r.gpu_us], "host": [r.host_us], "wall": [r.gpu_us]}
         for r, name in timing.rotations(list(est), rounds):
             t = timers[name]
-            if name in out and est[name] >= measure.SLOW_MS:  # one round: noise is small next to it
-                continue
             try:
                 s = clock.sample(t, est[name])
                 runs = max(1, min(200, int(WALL_WINDOW_MS / max(est[name] * t.calls, 1e-3))))

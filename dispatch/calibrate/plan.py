@@ -51,7 +51,7 @@ CLASSES: dict[str, tuple[tuple[str, ...], ...]] = {
 SHARED_DTYPES = {torch.bfloat16: (torch.float16,)}
 
 # Feature sizes in priority order (a run stopped by its budget has the first ones): N for
-# bias_act_dropout, (N, K) = (out, in) for fused_linear. N spans 768-28672 and K 384-14336.
+# bias_act_dropout, (N, K) = (out, in) for fused_linear. N spans 512-28672 and K 384-14336.
 FEATURES = {
     "bias_act_dropout": [(3072,), (768,), (4096,), (14336,), (28672,)],  # GPT-2 MLP and hidden, LLaMA
     "fused_linear": [
@@ -61,11 +61,14 @@ FEATURES = {
         (4096, 14336),  # LLaMA-3-8B / Mistral-7B down
         (28672, 8192),  # LLaMA-2/3-70B up
         (1536, 384),  # MiniLM / DeiT-S up
+        # T5-small / BERT-medium down: below N = 768 DeiT-S's 384 x 1536 down projection was extrapolated
+        # from GPT-2's, eager picked where inductor ran 1.227x faster on GPU time (M = 2048, H200)
+        (512, 2048),
     ],
 }
 # On a GPU float32 takes the first three sizes (GPT-2 and LLaMA-7B widths): half-precision is what models
 # train and serve in there, and the 70B widths in float32 run 1/8-1/15 of bf16's GEMM rate; the other
-# sizes then take the nearest measured one. This leaves 118 series of 152.
+# sizes then take the nearest measured one. This leaves 124 series of 164.
 FLOAT32_SIZES = 3
 QUICK_FEATURES = {
     "cuda": {"bias_act_dropout": [(3072,), (4096,), (14336,)], "fused_linear": [(3072, 768), (11008, 4096)]},
@@ -155,6 +158,13 @@ class Series:
     def label(self) -> str:
         f = self.family
         return f"{f.op} {str(f.dtype)[6:]} {self.rep} {f.mode}{' dropout' if f.dropout else ''}"
+
+    @property
+    def partial(self) -> frozenset[str]:
+        """Backends serving the representative but not every member's activation (``contenders``)."""
+        op, rep = self.family.op, self.rep
+        every = servers(op, rep).intersection(*(servers(op, a) for a, _ in self.members))
+        return servers(op, rep) - every
 
 
 def servers(op: str, activation: str) -> frozenset[str]:
@@ -362,41 +372,50 @@ PRUNE = 0.3  # timed at two or more points and this much dearer than the cheapes
 HOPELESS = 2.0  # more than this times the cheapest at a series' first point: dropped at once
 
 
-def contenders(names: list[str], points: dict[int, dict]) -> list[str]:
+def contenders(names: list[str], points: dict[int, dict], partial: frozenset[str] = frozenset()) -> list[str]:
     """``names`` less the backends this series has seen lose clearly: dearer than the cheapest by PRUNE
     at two or more points, on its cost and on GPU time (a host-bound cell's captured pick is its GPU
     winner: pruning on cost alone dropped triton from DeiT-small's 2048 x 1536 x 384 gelu training,
     41 us on the GPU against eager's 52, for its 1.3x host cost), or, at the first point (the largest
     M, where host cost weighs least), by HOPELESS with a host cost no lower than the cheapest's, so
     that the smaller M where host cost weighs more cannot favour it. Eager, the reference, is always
-    timed. (On the H200 this drops the traced-Philox dropout of nvfuser and inductor, 7-200x triton's
-    time, after one point; nvfuser recompiles at each new M, 1-3 s a point.)"""
+    timed. The cheapest is taken among the backends that serve every member of the series (not
+    ``partial``): cuBLASLt's tanh-only GELU epilogue, fastest at gelu_tanh, had pruned triton from the
+    gelu and silu cells sharing those timings, where triton was 1.085x faster than their eager pick
+    (DeiT-small 12288 x 1536 x 384 gelu inference, H200). (On the H200 this drops the traced-Philox
+    dropout of nvfuser and inductor, 7-200x triton's time, after one point; nvfuser recompiles at each
+    new M, 1-3 s a point.)"""
     keep = []
     host = series_host(list(points.values())) if len(points) > 1 else None
-    # per point, once: smoothed costs, the cheapest cost and the fastest GPU time among the timed
+    # per point, once: smoothed costs, the cheapest cost and the fastest GPU time among the rivals
     bars = []
     for p in points.values():
         c = costs(p, host)
-        if c:
-            bars.append((c, p["gpu_us"], min(c.values()), min(p["gpu_us"][n] for n in c)))
+        rivals = [n for n in c if n not in partial]
+        if rivals:
+            bars.append((c, p["gpu_us"], min(c[n] for n in rivals), min(p["gpu_us"][n] for n in rivals)))
     for name in names:
         seen = [p for p in points.values() if name in costs(p)]
         beaten = len(seen) >= 2 and all(
             c[name] > (1 + PRUNE) * cheapest and gpu[name] > (1 + PRUNE) * fastest
             for c, gpu, cheapest, fastest in bars if name in c
         )
-        if name in ("eager", BASELINE) or not (beaten or (len(seen) == 1 and _hopeless(name, seen[0]))):
+        hopeless = len(seen) == 1 and _hopeless(name, seen[0], partial)
+        if name in ("eager", BASELINE) or not (beaten or hopeless):
             keep.append(name)
     return keep
 
 
-def _hopeless(name: str, p: dict) -> bool:
-    """Dearer than the cheapest by HOPELESS on its cost and on GPU time alone, with no lower host cost:
-    GPU times repeat within 1%, one host sample does not (a 570 us host sample of a 270 us call once
-    dropped the eventual winner from a whole series)."""
+def _hopeless(name: str, p: dict, partial: frozenset[str] = frozenset()) -> bool:
+    """Dearer than the cheapest backend not in ``partial`` by HOPELESS on its cost and on GPU time
+    alone, with no lower host cost: GPU times repeat within 1%, one host sample does not (a 570 us
+    host sample of a 270 us call once dropped the eventual winner from a whole series)."""
     c, gpu = costs(p), p["gpu_us"]
-    best = min(c, key=c.__getitem__)
-    fastest = min(gpu[n] for n in c)
+    rivals = [n for n in c if n not in partial]
+    if not rivals:
+        return False
+    best = min(rivals, key=c.__getitem__)
+    fastest = min(gpu[n] for n in rivals)
     return (
         c[name] > HOPELESS * c[best]
         and gpu[name] > HOPELESS * fastest
@@ -404,12 +423,12 @@ def _hopeless(name: str, p: dict) -> bool:
     )
 
 
-def hopeless_in(points: list[dict]) -> set[str]:
+def hopeless_in(points: list[dict], partial: frozenset[str] = frozenset()) -> set[str]:
     """Backends (never eager) hopeless at every point where they were timed: a series' first feature size
     drops them from its later sizes (they would cost their first calls again)."""
     timed = [p for p in points if costs(p)]
     names = {n for p in timed for n in costs(p)} - {"eager"}
-    return {n for n in names if all(_hopeless(n, p) for p in timed if n in costs(p))}
+    return {n for n in names if all(_hopeless(n, p, partial) for p in timed if n in costs(p))}
 
 
 def to_bisect(points: dict[int, dict], ratio: float) -> list[int]:
