@@ -258,6 +258,34 @@ def test_a_backend_that_fails_parity_never_wins(user_dir, clocks, monkeypatch):
     assert any("tolerance" in p["rejected"].get("wrong", "") for p in e["points"])
 
 
+def test_the_gpu_time_winner_is_parity_checked_too(user_dir, clocks, monkeypatch):
+    """'wrong' and 'gpu' are fastest on the GPU clock alone (in that order) and lose on cost (their
+    host cost is 1000x): each is checked where it is the captured pick; 'wrong' (1% off) fails and is
+    never named, 'gpu' passes and is the gpu_backend of the segments where it was timed."""
+    from dispatch.backends.eager import bias_act_dropout as eager_bad
+
+    gpu, host, _ = clocks
+    op = type("Op", (), {"forward": staticmethod(lambda *a: eager_bad.forward(*a) * 1.01),
+                         "backward": staticmethod(eager_bad.backward)})  # fmt: skip
+    register(monkeypatch, eager_twin("wrong", ops={"bias_act_dropout": op}), eager_twin("gpu"))
+    gpu["wrong"], host["wrong"] = (lambda m: 0.5), (lambda m: 5000.0)
+    gpu["gpu"], host["gpu"] = (lambda m: 1.0), (lambda m: 5000.0)
+    out = user_dir / "t.json"
+    assert calibrate.main(args(out, backends=("flat", "wrong", "gpu"))) == 0
+    e = next(e for e in heuristics.load_table(str(out)).data["entries"] if not e["dropout"])
+    timed = [p for p in e["points"] if "gpu" in p["gpu_us"]]
+    assert timed and all("gpu" in p["err"] for p in timed)
+    for seg in e["segments"]:
+        inside = [p for p in timed if p["m"] == seg["m"]]
+        assert seg["backend"] != "gpu" and seg["gpu_backend"] == ("gpu" if inside else seg["gpu_backend"])
+    named = {s["gpu_backend"] for s in e["segments"]}
+    assert "wrong" not in named and "gpu" in named
+    assert any("tolerance" in p["rejected"].get("wrong", "") for p in e["points"])
+    inductor = {"m": 1, "gpu_us": {"eager": 10.0, "triton": 8.0, "inductor": 5.0},
+                "host_us": {"eager": 20.0, "triton": 40.0, "inductor": 900.0}}  # fmt: skip
+    assert "inductor" in plan.compiling() and plan.gpu_winner(inductor) == "triton"
+
+
 def test_members_keep_the_timings_of_the_backends_that_serve_them(user_dir, clocks, monkeypatch):
     """'lt' serves relu only and is fastest: relu's entry picks it; leaky_relu shares relu's timings but
     never sees it, and each of its segments was checked at its own activation."""
