@@ -371,6 +371,8 @@ def test_refresh_measures_the_selected_families_again_and_keeps_the_rest(user_di
         1
     ] == "flat"
     assert [r["run"] for r in data["settings"]["runs"]] == ["quick", "refresh"]
+    st = data["settings"]
+    assert st["series_measured"] == st["series_planned"] == 2  # training's two, not inference's kept ones
     assert "refreshed since: bias_act_dropout float32 training" in "\n".join(
         table_cli.provenance(heuristics.load_table(str(out)))
     )

@@ -341,6 +341,7 @@ class Run:
             for f, q in self.queue.items()
         }  # fmt: skip
         gpu = self.plan.device.type == "cuda"
+        planned = {(f.op, _dt(f.dtype), f.mode, f.dropout) for f in self.planned}
         settings = {
             "quick": self.plan.quick, "noise": NOISE, "preference": list(PREFERENCE), "p_dropout": measure.P_DROPOUT,
             "rule": "cost = max(gpu_us, host_us); ties within noise go to preference",
@@ -348,7 +349,10 @@ class Run:
             "timer": ("gpu_us: triton.testing.do_bench_cudagraph (events at >= 5 ms); host_us: perf_counter behind "
                       "torch.cuda._sleep" if gpu else "gpu_us = host_us = time.perf_counter median (no GPU clock)"),
             "budget_s": self.plan.budget_s, "in_progress": in_progress, "stopped_by_budget": self.stopped,
-            "series_measured": sum(e["activation"] == e["measured_as"] and "measured_dtype" not in e for e in entries),
+            "series_measured": sum(  # of this run's families: a refresh keeps the others' entries too
+                e["activation"] == e["measured_as"] and "measured_dtype" not in e
+                and (e["op"], e["dtype"], e["mode"], e["dropout"]) in planned for e in entries
+            ),
             "series_planned": sum(self.planned.values()), "families": families,
             "graph_capture_failed": {" ".join(map(str, k)): v for k, v in self.clock.no_graph.items()},
             **(extra or {}),
