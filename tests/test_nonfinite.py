@@ -267,6 +267,25 @@ def test_bias_act_nonfinite_matches_pytorch(backend, activation):
     check()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_huge_bias_column_sums_its_rows_only(backend):
+    """grad_bias where act'(bias) overflows (squared_relu's 2 * 3e38 = inf): the rows past M in a
+    kernel's last block (x and grad_y 0, z = bias) must add nothing, not inf * 0 = NaN. With every
+    grad_y of that column negative, PyTorch gives -inf there and finite sums elsewhere."""
+    _skip_unless_supported(backend, "bias_act_dropout", SHAPE, "squared_relu")
+    gen = torch.Generator().manual_seed(7)
+    m, n = SHAPE
+    x, b, g = _randn(gen, m, n), _randn(gen, n), _randn(gen, m, n)
+    b[6], g[:, 6] = 3e38, -g[:, 6].abs() - 0.5
+    xr, br = _leaves(x, b)
+    want_gb = torch.autograd.grad(COMPOSITE["squared_relu"](xr + br), br, g)[0]
+    xb, bb = _leaves(x, b)
+    got = fused_bias_act_dropout(xb, bb, "squared_relu", 0.0, backend=backend)
+    got_gb = torch.autograd.grad(got, bb, g)[0]
+    assert torch.isneginf(want_gb[6]) and torch.isneginf(got_gb[6]), (want_gb[6], got_gb[6])
+    assert_matches(got_gb, want_gb, f"{backend} grad_bias", atol_scale=g.abs().sum(0))
+
+
 # ----------------------------------------------------------------------------- fused_linear
 
 _X_EVERY_SPECIAL = [(k * (LINEAR[1] + 1), v) for k, v in enumerate(LINEAR_X_SPECIALS * 2)]  # (k, k)

@@ -152,13 +152,13 @@ def _backward_kernel(
         if DROPOUT:
             keep = keep_mask(seed, offset, rows, groups, lanes, N, threshold, GROUPED)
             gy = gy * tl.where(keep, scale, 0.0)  # F.dropout's backward: grad * mask * scale
-        gz = grad(gy, z, ACTIVATION)  # masked-out rows give 0: gy and z are 0 there
+        gz = grad(gy, z, ACTIVATION)  # (BM, BN8, 8); masked-out rows hold z = bias, gy = 0
         if NEED_X:
             tl.store(
                 GX + (rows64 * N)[:, None, None] + cols[None, :, :], gz.to(GX.dtype.element_ty), mask=mask
             )
-        if NEED_BIAS:
-            acc += gz
+        if NEED_BIAS:  # selected, not trusted to be 0: squared_relu'(3e38) * 0 = inf * 0 = NaN
+            acc += tl.where(mask, gz, 0.0)
     if NEED_BIAS:
         partial = tl.sum(acc, axis=0)  # (BN8, 8), rows summed in a fixed order: deterministic
         row_offset = tl.program_id(0).to(tl.int64) * N
