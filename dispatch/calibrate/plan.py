@@ -61,8 +61,8 @@ FEATURES = {
         (4096, 14336),  # LLaMA-3-8B / Mistral-7B down
         (28672, 8192),  # LLaMA-2/3-70B up
         (1536, 384),  # MiniLM / DeiT-S up
-        # T5-small / BERT-medium down: below N = 768 DeiT-S's 384 x 1536 down projection was extrapolated
-        # from GPT-2's, eager picked where inductor ran 1.227x faster on GPU time (M = 2048, H200)
+        # T5-small / BERT-medium down: the one N below 768, nearest to DeiT-S's 384 x 1536 down
+        # projection, which had been extrapolated from GPT-2's 768 x 3072
         (512, 2048),
     ],
 }
@@ -311,8 +311,8 @@ def compiling() -> frozenset[str]:
 
 def gpu_winner(point: dict) -> str:
     """The winner by GPU time alone among the backends with a cost at ``point`` that a capture may run:
-    what a call captured in a CUDA graph should run (``gpu_backend``). Over every backend, inductor
-    named at 28 of 751 H200 points left the capture on the cost pick even where triton beat it."""
+    what a call captured in a CUDA graph should run (``gpu_backend``). Ranked over every backend it
+    named inductor at 28 of 751 H200 points, where ``capture_pick`` then fell back to the cost pick."""
     c = costs(point)
     pool = [n for n in c if n not in compiling()] or list(c)
     return rank({n: point["gpu_us"][n] for n in pool})[0]
@@ -404,8 +404,8 @@ def contenders(names: list[str], points: dict[int, dict], partial: frozenset[str
     that the smaller M where host cost weighs more cannot favour it. Eager, the reference, is always
     timed. The cheapest is taken among the backends that serve every member of the series (not
     ``partial``): cuBLASLt's tanh-only GELU epilogue, fastest at gelu_tanh, had pruned triton from the
-    gelu and silu cells sharing those timings, where triton was 1.085x faster than their eager pick
-    (DeiT-small 12288 x 1536 x 384 gelu inference, H200). (On the H200 this drops the traced-Philox
+    gelu and silu cells sharing those timings (it went untimed from M = 4096 on at 1536 x 384, where a
+    held-out run read triton 1.085x faster than the eager pick at 12288 gelu inference, H200). (On the H200 this drops the traced-Philox
     dropout of nvfuser and inductor, 7-200x triton's time, after one point; nvfuser recompiles at each
     new M, 1-3 s a point.)"""
     keep = []
