@@ -15,7 +15,7 @@ import math
 import random
 import statistics
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -318,32 +318,32 @@ def gpu_winner(point: dict) -> str:
     return rank({n: point["gpu_us"][n] for n in pool})[0]
 
 
-def gpu_runs(points: list[dict]) -> list[tuple[str, list[dict]]]:
-    """Consecutive points (by M) with one winner by GPU time alone."""
-    out: list[tuple[str, list[dict]]] = []
+def _grouped(points: list[dict], key: Callable[[dict], tuple]) -> list[tuple[tuple, list[dict]]]:
+    """Consecutive points (by M, those with a cost) sharing one ``key``."""
+    out: list[tuple[tuple, list[dict]]] = []
     for p in sorted((p for p in points if costs(p)), key=lambda p: p["m"]):
-        w = gpu_winner(p)
-        if out and out[-1][0] == w:
+        k = key(p)
+        if out and out[-1][0] == k:
             out[-1][1].append(p)
         else:
-            out.append((w, [p]))
+            out.append((k, [p]))
     return out
+
+
+def gpu_runs(points: list[dict]) -> list[tuple[str, list[dict]]]:
+    """Consecutive points (by M) with one winner by GPU time alone."""
+    return [(k[0], pts) for k, pts in _grouped(points, lambda p: (gpu_winner(p),))]
 
 
 def runs(points: list[dict], by_clock: bool = False) -> list[tuple[str, list[dict]]]:
     """Consecutive points (by M) with one winner (and, ``by_clock``, one clock binding it and one
     winner by GPU time alone)."""
-    out: list[tuple[str, list[dict]]] = []
-    last = None
-    for p in sorted((p for p in points if costs(p)), key=lambda p: p["m"]):
+
+    def key(p: dict) -> tuple:
         w = winner(p)
-        key = (w, bound(p, w), gpu_winner(p)) if by_clock else (w,)
-        if out and key == last:
-            out[-1][1].append(p)
-        else:
-            out.append((w, [p]))
-        last = key
-    return out
+        return (w, bound(p, w), gpu_winner(p)) if by_clock else (w,)
+
+    return [(k[0], pts) for k, pts in _grouped(points, key)]
 
 
 def segment(m_from: int, name: str, points: list[dict]) -> dict:
@@ -405,9 +405,9 @@ def contenders(names: list[str], points: dict[int, dict], partial: frozenset[str
     timed. The cheapest is taken among the backends that serve every member of the series (not
     ``partial``): cuBLASLt's tanh-only GELU epilogue, fastest at gelu_tanh, had pruned triton from the
     gelu and silu cells sharing those timings (it went untimed from M = 4096 on at 1536 x 384, where a
-    held-out run read triton 1.085x faster than the eager pick at 12288 gelu inference, H200). (On the H200 this drops the traced-Philox
-    dropout of nvfuser and inductor, 7-200x triton's time, after one point; nvfuser recompiles at each
-    new M, 1-3 s a point.)"""
+    held-out run read triton 1.085x faster than the eager pick at 12288 gelu inference, H200). (On the
+    H200 this drops the traced-Philox dropout of nvfuser and inductor, 7-200x triton's time, after one
+    point; nvfuser recompiles at each new M, 1-3 s a point.)"""
     keep = []
     host = series_host(list(points.values())) if len(points) > 1 else None
     # per point, once: smoothed costs, the cheapest cost and the fastest GPU time among the rivals
