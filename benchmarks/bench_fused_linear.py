@@ -330,6 +330,9 @@ def main() -> None:
     )
     p.add_argument("--rep-ms", type=float, default=60.0, help="time per entry and clock over all rounds (ms)")
     p.add_argument("--rounds", type=int, default=timing.ROUNDS, help="interleaved rounds per row (median)")
+    p.add_argument(
+        "--activation", help="every row with this activation instead (duplicates dropped), e.g. relu"
+    )
     p.add_argument("--breakdown", action="store_true", help="GPU time of each piece of a training call (CUDA only)")
     args = p.parse_args()
     modes = tuple(m for m in args.modes.split(",") if m)
@@ -344,7 +347,12 @@ def main() -> None:
     budget = args.budget_s or (45.0 if args.quick else 210.0)
     start = time.perf_counter()
     rows: list[dict] = []
-    for pair, M, dtype, act in grid(device, args.quick):
+    rows_wanted = grid(device, args.quick)
+    if args.activation:
+        if args.activation not in ACTIVATIONS:
+            p.error(f"--activation: expected one of {', '.join(ACTIVATIONS)}, got {args.activation!r}")
+        rows_wanted = list(dict.fromkeys((pair, M, d, args.activation) for pair, M, d, _ in rows_wanted))
+    for pair, M, dtype, act in rows_wanted:
         for mode in modes:
             key = dict(pair=pair, M=M, dtype=DTYPE_NAMES[dtype], act=act, mode=mode)
             if time.perf_counter() - start > budget:

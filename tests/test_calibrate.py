@@ -287,18 +287,19 @@ def test_the_gpu_time_winner_is_parity_checked_too(user_dir, clocks, monkeypatch
 
 
 def test_members_keep_the_timings_of_the_backends_that_serve_them(user_dir, clocks, monkeypatch):
-    """'lt' serves relu only and is fastest: relu's entry picks it; leaky_relu shares relu's timings but
-    never sees it, and each of its segments was checked at its own activation."""
+    """'lt' serves gelu_tanh only (as cuBLASLt's GELU epilogue) and is fastest: gelu_tanh's entry picks
+    it; gelu shares gelu_tanh's timings but never sees it, and each of its segments was checked at its
+    own activation."""
     gpu, host, _ = clocks
-    register(monkeypatch, eager_twin("lt", activations=frozenset({"relu"})))
+    register(monkeypatch, eager_twin("lt", activations=frozenset({"gelu_tanh"})))
     gpu["lt"], host["lt"] = (lambda m: 1.0), (lambda m: 1.0)
     out = user_dir / "t.json"
-    assert calibrate.main(args(out, ops=("fused_linear",), acts=("relu", "leaky_relu"), features=("32,16",),
+    assert calibrate.main(args(out, ops=("fused_linear",), acts=("gelu_tanh", "gelu"), features=("32,16",),
                                backends=("flat", "lt"))) == 0  # fmt: skip
     entries = {e["activation"]: e for e in heuristics.load_table(str(out)).data["entries"]}
-    assert entries["leaky_relu"]["measured_as"] == "relu"
-    assert [b for _, b in segments(entries["relu"])] == ["lt"]
-    member = entries["leaky_relu"]
+    assert entries["gelu"]["measured_as"] == "gelu_tanh"
+    assert [b for _, b in segments(entries["gelu_tanh"])] == ["lt"]
+    member = entries["gelu"]
     assert all(p["gpu_us"] and "lt" not in p["gpu_us"] for p in member["points"])
     assert [b for _, b in segments(member)] == ["eager", "flat"]
     assert all(s["errors"] for s in member["segments"])

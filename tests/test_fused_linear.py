@@ -160,3 +160,55 @@ def test_gradcheck(activation, device):
         return fused_linear(x, weight, bias, activation, backend="eager")
 
     assert torch.autograd.gradcheck(op, (x, weight, bias))
+
+
+@pytest.mark.parametrize("backend", ("eager", "triton", "cublaslt"))
+def test_relu_keeps_no_tensor_beside_its_output(backend, device):
+    """relu's backward needs only where y > 0: a training call keeps x, W, b and y itself, as PyTorch's
+    relu(F.linear(...)) does, no M x N pre-activation of its own (one fewer activation-sized tensor a
+    layer)."""
+    x, weight, bias = fused_linear_inputs((37, 24), 19, torch.float32, device)
+    require(backend, x, 19, "relu")
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fused_linear(x, weight, bias, "relu", backend=backend)
+    big = [t for t in kept if t.numel() == y.numel()]
+    assert big and all(t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for t in big), [
+        (tuple(t.shape), t.data_ptr() == y.data_ptr()) for t in kept
+    ]
+    grad_y = torch.randn_like(y)
+    ref, ref_grads = reference_fused_linear(x, weight, bias, "relu", grad_y, upcast=True)
+    check("y", y.detach(), ref.detach(), ref.detach().to(y.dtype))
+    grads = torch.autograd.grad(y, (x, weight, bias), grad_y)
+    for name, got, r, t in zip(FUSED_LINEAR_GRADS, grads, ref_grads, (x, weight, bias)):
+        check(name, got, r, r.to(t.dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ("eager", "triton", "cublaslt"))
+@pytest.mark.parametrize("activation", ("relu", "gelu_tanh"))
+def test_nan_and_inf_rows_on_the_gpu_match_pytorch(backend, activation):
+    """On CUDA (cuBLASLt's epilogues, Triton's compiled kernels): a NaN or infinite x reaches its whole
+    row of y and of grad_x as in PyTorch's act(F.linear(x, W, b)); relu(NaN) is NaN there."""
+    x, weight, bias = fused_linear_inputs((64, 32), 48, torch.bfloat16, "cuda")
+    require(backend, x, 48, activation)
+    with torch.no_grad():
+        x[3, 5], x[9, 0], x[20, 7] = float("nan"), float("inf"), -float("inf")
+    g = torch.randn(64, 48, device="cuda").to(torch.bfloat16)
+    got = fused_linear(x, weight, bias, activation, backend=backend)
+    got_grads = torch.autograd.grad(got, (x, weight, bias), g)
+    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, weight, bias))
+    f = torch.relu if activation == "relu" else (lambda t: torch.nn.functional.gelu(t, approximate="tanh"))
+    want = f(torch.nn.functional.linear(xr, wr, br))
+    want_grads = torch.autograd.grad(want, (xr, wr, br), g)
+    names = ("y", "grad_x", "grad_weight", "grad_bias")
+    for name, a, b in zip(names, (got, *got_grads), (want, *want_grads)):
+        for kind in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(kind(a), kind(b)), f"{backend} {name}: {kind.__name__} differs"
+        finite = torch.isfinite(b)
+        torch.testing.assert_close(a[finite].float(), b[finite].float(), atol=0.1, rtol=0.05)

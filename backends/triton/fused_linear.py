@@ -16,7 +16,14 @@ grad_W and grad_x on Triton 80 and 66 us against cuBLAS's 62 and 61.
 PyTorch's act(F.linear(x, W, b)) makes the same products and two more passes: a separate reduction
 over M x N for grad_b (26 us at that shape) and gelu_backward (41 us) where our pass forms both
 (~41 us); the saved tensors are the same (x, W and one M x N pre-activation).
+relu: y = cuBLASLt's addmm with relu in its epilogue (``torch._addmm_activation``), and y is what
+backward reads (y <= 0 exactly where pre <= 0): no forward pass, no pre-activation kept.
 Identity: y = addmm(b, x, W^T); grad_pre is grad_y itself and a column-sum pass gives grad_b.
+
+Tried and measured (H200, bf16, GPU time, benchmarks/PERF.md): grad_pre formed inside the dgrad
+product's operand loads (a Triton kernel that also wrote grad_pre and grad_b's partials) ran 1.6-5x
+slower than torch.mm plus the separate pass; cuBLASLt's GELU_AUX_BIAS forward (nvmath-python) took
+4.6 us off a 264 us gpt2 up training call and cost 150 us of host time at M = 2048.
 """
 
 from __future__ import annotations
@@ -113,6 +120,16 @@ def forward(
     rounded to x's dtype as PyTorch's addmm rounds it (None for identity). Rounded before the bias was
     added, relu-like masks flipped wherever |x @ W^T| >> |x @ W^T + b|: bf16 grad_x 4x eager's error
     (2048 x 4096 x 1024 relu, H200)."""
+    if activation == "relu":
+        # relu's backward needs only where y > 0: y is kept (as torch.relu keeps its result), and the
+        # activation runs in cuBLASLt's epilogue. gpt2 up 8192 x 3072 x 768 bf16 training on the H200,
+        # GPU time: 234 us against 256 with the pre-activation kept and a separate relu pass (PyTorch
+        # 268); and no M x N tensor is kept beyond what the next layer keeps anyway (its input y).
+        if bias is None:
+            y = torch.mm(x, weight.t()).relu_()
+        else:
+            y = torch._addmm_activation(bias, x, weight.t(), use_gelu=False)
+        return y, y
     pre = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
     if activation == "identity":
         return pre, None

@@ -39,12 +39,13 @@ FAMILY_ORDER = (
 
 # Activations of a class share one measured timing and are each parity-checked on their own. The first
 # class is measured first: gelu for bias_act_dropout (GPT-2, BERT, ViT MLPs) and identity for
-# fused_linear (every down and attention projection). fused_linear splits its cheap activations from
-# the transcendental ones: eager runs the activation's gradient as its own pass, 2x dearer for gelu_tanh
-# than for relu in bf16 training at 8192 x 3072 x 768 on the H200 (1.75 vs 0.81 ms).
+# fused_linear (every down and attention projection). fused_linear's relu is a class of its own: the
+# triton and cublaslt backends keep its output for backward and run it in cuBLASLt's epilogue, 234 us
+# against 256 for the same call keeping the pre-activation (gpt2 up 8192 x 3072 x 768 bf16 training,
+# H200), the path every other activation takes on them.
 CLASSES: dict[str, tuple[tuple[str, ...], ...]] = {
     "bias_act_dropout": (("gelu", "gelu_tanh", "silu"), ("relu", "identity", "leaky_relu", "squared_relu")),
-    "fused_linear": (("identity",), ("gelu_tanh", "gelu", "silu"), ("relu", "leaky_relu", "squared_relu")),
+    "fused_linear": (("identity",), ("gelu_tanh", "gelu", "silu", "leaky_relu", "squared_relu"), ("relu",)),
 }
 # float16 shares bfloat16's timings on a GPU (each of its cells parity-checked in float16): the same
 # kernels at the same width; in the 2026-11-30 H200 table the two agreed in 1126 of 1134 cells.
