@@ -260,7 +260,8 @@ def test_cublaslt_declarations():
 
 def test_cublaslt_relu_math_on_cpu():
     """CPU's _addmm_activation runs relu like CUDA's unfused fallback: checks our forward/backward glue
-    (zero bias, recomputed pre-activation) without a GPU. Its gelu is erf GELU on CPU, not tested."""
+    (zero bias; relu keeps its output, and backward from it or from a recomputed pre-activation) without
+    a GPU. Its gelu is erf GELU on CPU, not tested."""
     from dispatch.backends.cublaslt import fused_linear as cublaslt_fl
 
     for bias in (True, False):
@@ -268,14 +269,15 @@ def test_cublaslt_relu_math_on_cpu():
         w = torch.randn(24, 40, dtype=torch.float64)
         b = torch.randn(24, dtype=torch.float64) if bias else None
         y, saved = cublaslt_fl.forward(x, w, b, "relu")
-        assert saved is None
+        assert saved is y
         torch.testing.assert_close(y, eager_fl.reference(x, w, b, "relu"))
         g = torch.randn_like(y)
-        got = cublaslt_fl.backward(g, x, w, b, None, "relu", (True, True, bias))
         leaves = [leaf(x), leaf(w)] + ([leaf(b)] if bias else [])
         want = leaf_grads(eager_fl.reference(*leaves[:2], leaves[2] if bias else None, "relu"), leaves, g)
-        for a, e in zip([t for t in got if t is not None], want):
-            torch.testing.assert_close(a, e)
+        for kept in (saved, None):
+            got = cublaslt_fl.backward(g, x, w, b, kept, "relu", (True, True, bias))
+            for a, e in zip([t for t in got if t is not None], want):
+                torch.testing.assert_close(a, e)
 
 
 # ----------------------------------------------------------------------------- GPU

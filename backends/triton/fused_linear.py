@@ -21,8 +21,8 @@ backward reads (y <= 0 exactly where pre <= 0): no forward pass, no pre-activati
 Identity: y = addmm(b, x, W^T); grad_pre is grad_y itself and a column-sum pass gives grad_b.
 
 Tried and measured (H200, bf16, GPU time, benchmarks/PERF.md): grad_pre formed inside the dgrad
-product's operand loads (a Triton kernel that also wrote grad_pre and grad_b's partials) ran 1.6-5x
-slower than torch.mm plus the separate pass; cuBLASLt's GELU_AUX_BIAS forward (nvmath-python) took
+product's operand loads (a Triton kernel that also wrote grad_pre and grad_b's partials) ran 1.6x
+(relu) and 3.7x (gelu_tanh) slower than torch.mm plus the separate pass in its best tile config; cuBLASLt's GELU_AUX_BIAS forward (nvmath-python) took
 4.6 us off a 264 us gpt2 up training call and cost 150 us of host time at M = 2048.
 """
 
