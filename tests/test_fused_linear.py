@@ -162,13 +162,16 @@ def test_gradcheck(activation, device):
     assert torch.autograd.gradcheck(op, (x, weight, bias))
 
 
-@pytest.mark.parametrize("backend", ("eager", "triton", "cublaslt"))
-def test_relu_keeps_no_tensor_beside_its_output(backend, device):
-    """relu's backward needs only where y > 0: a training call keeps x, W, b and y itself, as PyTorch's
-    relu(F.linear(...)) does, no M x N pre-activation of its own (one fewer activation-sized tensor a
-    layer)."""
+@pytest.mark.parametrize(
+    ("backend", "activation"),
+    [("eager", "relu"), ("triton", "relu"), ("cublaslt", "relu"), ("triton", "leaky_relu")],
+)
+def test_relu_keeps_no_tensor_beside_its_output(backend, activation, device):
+    """relu's and leaky_relu's backward need only where y > 0: a training call keeps x, W, b and y
+    itself, as PyTorch's relu(F.linear(...)) does, no M x N pre-activation of its own (one fewer
+    activation-sized tensor a layer; F.leaky_relu keeps its input)."""
     x, weight, bias = fused_linear_inputs((37, 24), 19, torch.float32, device)
-    require(backend, x, 19, "relu")
+    require(backend, x, 19, activation)
     kept = []
 
     def pack(t):
@@ -176,13 +179,13 @@ def test_relu_keeps_no_tensor_beside_its_output(backend, device):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = fused_linear(x, weight, bias, "relu", backend=backend)
+        y = fused_linear(x, weight, bias, activation, backend=backend)
     big = [t for t in kept if t.numel() == y.numel()]
     assert big and all(t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for t in big), [
         (tuple(t.shape), t.data_ptr() == y.data_ptr()) for t in kept
     ]
     grad_y = torch.randn_like(y)
-    ref, ref_grads = reference_fused_linear(x, weight, bias, "relu", grad_y, upcast=True)
+    ref, ref_grads = reference_fused_linear(x, weight, bias, activation, grad_y, upcast=True)
     check("y", y.detach(), ref.detach(), ref.detach().to(y.dtype))
     grads = torch.autograd.grad(y, (x, weight, bias), grad_y)
     for name, got, r, t in zip(FUSED_LINEAR_GRADS, grads, ref_grads, (x, weight, bias)):
@@ -191,7 +194,7 @@ def test_relu_keeps_no_tensor_beside_its_output(backend, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ("eager", "triton", "cublaslt"))
-@pytest.mark.parametrize("activation", ("relu", "gelu_tanh"))
+@pytest.mark.parametrize("activation", ("relu", "leaky_relu", "gelu_tanh"))
 def test_nan_and_inf_rows_on_the_gpu_match_pytorch(backend, activation):
     """On CUDA (cuBLASLt's epilogues, Triton's compiled kernels): a NaN or infinite x reaches its whole
     row of y and of grad_x as in PyTorch's act(F.linear(x, W, b)); relu(NaN) is NaN there."""
@@ -203,7 +206,11 @@ def test_nan_and_inf_rows_on_the_gpu_match_pytorch(backend, activation):
     got = fused_linear(x, weight, bias, activation, backend=backend)
     got_grads = torch.autograd.grad(got, (x, weight, bias), g)
     xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, weight, bias))
-    f = torch.relu if activation == "relu" else (lambda t: torch.nn.functional.gelu(t, approximate="tanh"))
+    f = {
+        "relu": torch.relu,
+        "leaky_relu": torch.nn.functional.leaky_relu,
+        "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+    }[activation]
     want = f(torch.nn.functional.linear(xr, wr, br))
     want_grads = torch.autograd.grad(want, (xr, wr, br), g)
     names = ("y", "grad_x", "grad_weight", "grad_bias")

@@ -17,7 +17,8 @@ PyTorch's act(F.linear(x, W, b)) makes the same products and two more passes: a 
 over M x N for grad_b (26 us at that shape) and gelu_backward (41 us) where our pass forms both
 (~41 us); the saved tensors are the same (x, W and one M x N pre-activation).
 relu: y = cuBLASLt's addmm with relu in its epilogue (``torch._addmm_activation``), and y is what
-backward reads (y <= 0 exactly where pre <= 0): no forward pass, no pre-activation kept.
+backward reads (y <= 0 exactly where pre <= 0): no forward pass, no pre-activation kept. leaky_relu
+keeps y too (y > 0 exactly where pre > 0), after the same forward pass as the others.
 Identity: y = addmm(b, x, W^T); grad_pre is grad_y itself and a column-sum pass gives grad_b.
 
 Tried and measured (H200, bf16, GPU time, benchmarks/PERF.md): grad_pre formed inside the dgrad
@@ -133,7 +134,10 @@ def forward(
     pre = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
     if activation == "identity":
         return pre, None
-    return bias_act_dropout.trusted.forward(pre, None, activation, 0.0, None), pre
+    y = bias_act_dropout.trusted.forward(pre, None, activation, 0.0, None)
+    # leaky_relu's derivative (1 where pre > 0, else the slope) reads the same off y's sign: keep y and
+    # let pre go, one M x N tensor fewer than F.leaky_relu, which keeps its input
+    return y, y if activation == "leaky_relu" else pre
 
 
 def infer(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
