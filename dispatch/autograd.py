@@ -84,7 +84,7 @@ class FusedLinear(torch.autograd.Function):
         x, weight, bias, saved = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[:3])
         if torch.is_grad_enabled():
-            # create_graph=True: as in BiasActDropout. ``saved`` (the forward's pre-activation) has
+            # create_graph=True: as in BiasActDropout. ``saved`` (the forward's pre-activation or y) has
             # no graph: a backward built on it misses every second-order term through x and weight.
             from dispatch.backends.eager.fused_linear import reference
 

@@ -1,12 +1,12 @@
 """cublaslt: fused_linear with bias and activation in cuBLASLt's GEMM epilogue
 (``torch._addmm_activation``).
 
-Supports: fused_linear only, forward and backward (PyTorch gives no backward; ours recomputes the
-pre-activation with one GEMM, see ``fused_linear.py``); CUDA only; float16, bfloat16, float32;
-activations relu and gelu_tanh (the two epilogues PyTorch exposes); bias optional (a zero bias keeps
-the epilogue); x in any layout. Needs M, N and K > 1: cuBLASLt rejects single rows or columns and
-PyTorch then runs an unfused GEMM, so those calls are refused here. Deterministic as cuBLAS is (same
-GPU, same library version).
+Supports: fused_linear only, forward and backward (PyTorch gives no backward; ours reads relu's kept
+output, and for gelu_tanh recomputes the pre-activation with one GEMM, see ``fused_linear.py``); CUDA
+only; float16, bfloat16, float32; activations relu and gelu_tanh (the two epilogues PyTorch exposes);
+bias optional (a zero bias keeps the epilogue); x in any layout. Needs M, N and K > 1: cuBLASLt
+rejects single rows or columns and PyTorch then runs an unfused GEMM, so those calls are refused here.
+Deterministic as cuBLAS is (same GPU, same library version).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ atomics: reductions finish in a fixed order). On CPU it runs only through Triton
 interpreter on its own.
 
 Files, by role: ``bias_act_dropout.py`` (kernels, launch settings, launchers) and ``fused_linear.py``
-(training on cuBLAS products and bias_act_dropout's passes, inference on the matmul of ``matmul.py``:
+(training on cuBLAS products, relu in cuBLASLt's epilogue, and bias_act_dropout's passes, inference
+on the matmul of ``matmul.py``:
 its kernels, tile configs and ``launch``; a column-sum pass for identity's grad_b)
 serve one op each; ``activations.py`` (the activation table) and ``philox.py`` (the dropout RNG spec)
 are the jitted helpers the kernels share; ``launch.py`` caches compiled kernels for cheap launches.
