@@ -162,16 +162,13 @@ def test_gradcheck(activation, device):
     assert torch.autograd.gradcheck(op, (x, weight, bias))
 
 
-@pytest.mark.parametrize(
-    ("backend", "activation"),
-    [("eager", "relu"), ("triton", "relu"), ("cublaslt", "relu"), ("triton", "leaky_relu")],
-)
-def test_relu_keeps_no_tensor_beside_its_output(backend, activation, device):
-    """relu's and leaky_relu's backward need only where y > 0: a training call keeps x, W, b and y
-    itself, as PyTorch's relu(F.linear(...)) does, no M x N pre-activation of its own (one fewer
-    activation-sized tensor a layer; F.leaky_relu keeps its input)."""
+@pytest.mark.parametrize("backend", ("eager", "triton", "cublaslt"))
+def test_relu_keeps_no_tensor_beside_its_output(backend, device):
+    """relu's backward needs only where y > 0: a training call keeps x, W, b and y itself, as PyTorch's
+    relu(F.linear(...)) does, no M x N pre-activation of its own (one fewer activation-sized tensor a
+    layer)."""
     x, weight, bias = fused_linear_inputs((37, 24), 19, torch.float32, device)
-    require(backend, x, 19, activation)
+    require(backend, x, 19, "relu")
     kept = []
 
     def pack(t):
@@ -179,17 +176,38 @@ def test_relu_keeps_no_tensor_beside_its_output(backend, activation, device):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = fused_linear(x, weight, bias, activation, backend=backend)
+        y = fused_linear(x, weight, bias, "relu", backend=backend)
     big = [t for t in kept if t.numel() == y.numel()]
     assert big and all(t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for t in big), [
         (tuple(t.shape), t.data_ptr() == y.data_ptr()) for t in kept
     ]
     grad_y = torch.randn_like(y)
-    ref, ref_grads = reference_fused_linear(x, weight, bias, activation, grad_y, upcast=True)
+    ref, ref_grads = reference_fused_linear(x, weight, bias, "relu", grad_y, upcast=True)
     check("y", y.detach(), ref.detach(), ref.detach().to(y.dtype))
     grads = torch.autograd.grad(y, (x, weight, bias), grad_y)
     for name, got, r, t in zip(FUSED_LINEAR_GRADS, grads, ref_grads, (x, weight, bias)):
         check(name, got, r, r.to(t.dtype))
+
+
+@pytest.mark.parametrize("backend", ("eager", "triton"))
+@pytest.mark.parametrize("activation", ("relu", "leaky_relu", "gelu_tanh"))
+def test_output_modified_in_place_before_backward_as_in_pytorch(backend, activation, device):
+    """What autograd allows on the output is what it allows on act(F.linear(...)): relu keeps its output
+    (torch.relu does), so modifying it in place before backward is refused; the others keep their input,
+    so the output may change in place and the gradients are those of the changed expression."""
+    x, weight, bias = fused_linear_inputs((9, 24), 17, torch.float32, device)
+    require(backend, x, 17, activation)
+    y = fused_linear(x, weight, bias, activation, backend=backend)
+    y.mul_(2.0)
+    grad_y = torch.randn_like(y)
+    if activation == "relu":
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(y, (x, weight, bias), grad_y)
+        return
+    got = torch.autograd.grad(y, (x, weight, bias), grad_y)
+    ref, ref_grads = reference_fused_linear(x, weight, bias, activation, 2.0 * grad_y, upcast=True)
+    for name, g, r in zip(FUSED_LINEAR_GRADS, got, ref_grads):
+        check(name, g, r, r.to(g.dtype))
 
 
 @pytest.mark.gpu

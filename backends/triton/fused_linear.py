@@ -17,14 +17,15 @@ PyTorch's act(F.linear(x, W, b)) makes the same products and two more passes: a 
 over M x N for grad_b (26 us at that shape) and gelu_backward (41 us) where our pass forms both
 (~41 us); the saved tensors are the same (x, W and one M x N pre-activation).
 relu: y = cuBLASLt's addmm with relu in its epilogue (``torch._addmm_activation``), and y is what
-backward reads (y <= 0 exactly where pre <= 0): no forward pass, no pre-activation kept. leaky_relu
-keeps y too (y > 0 exactly where pre > 0), after the same forward pass as the others.
+backward reads (y <= 0 exactly where pre <= 0): no forward pass, no pre-activation kept. As with
+torch.relu, y modified in place before backward is then refused by autograd.
 Identity: y = addmm(b, x, W^T); grad_pre is grad_y itself and a column-sum pass gives grad_b.
 
 Tried and measured (H200, bf16, GPU time, benchmarks/PERF.md): grad_pre formed inside the dgrad
 product's operand loads (a Triton kernel that also wrote grad_pre and grad_b's partials) ran 1.6x
-(relu) and 3.7x (gelu_tanh) slower than torch.mm plus the separate pass in its best tile config; cuBLASLt's GELU_AUX_BIAS forward (nvmath-python) took
-4.6 us off a 264 us gpt2 up training call and cost 150 us of host time at M = 2048.
+(relu) and 3.7x (gelu_tanh) slower than torch.mm plus the separate pass in its best tile config;
+cuBLASLt's GELU_AUX_BIAS forward (nvmath-python) took 4.6 us off a 264 us gpt2 up training call, and
+one forward cost 174 us of host time at M = 2048 against _addmm_activation's 22.
 """
 
 from __future__ import annotations
@@ -134,10 +135,9 @@ def forward(
     pre = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
     if activation == "identity":
         return pre, None
-    y = bias_act_dropout.trusted.forward(pre, None, activation, 0.0, None)
-    # leaky_relu's derivative (1 where pre > 0, else the slope) reads the same off y's sign: keep y and
-    # let pre go, one M x N tensor fewer than F.leaky_relu, which keeps its input
-    return y, y if activation == "leaky_relu" else pre
+    # pre, not y, even where y would do (leaky_relu: y > 0 exactly where pre > 0): F.leaky_relu keeps
+    # its input, so a caller may modify its output in place before backward; a kept y would refuse that
+    return bias_act_dropout.trusted.forward(pre, None, activation, 0.0, None), pre
 
 
 def infer(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:

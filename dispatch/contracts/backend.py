@@ -54,9 +54,9 @@ def trusted(impl: object) -> object:
 class FusedLinearImpl(Protocol):
     """x is (M, K) and weight (N, K) with any strides, bias (N,) contiguous or None. forward returns the
     contiguous (M, N) output and ``saved``, what its backward needs beyond the inputs (the
-    pre-activation x @ W^T + b in x's dtype, or for relu and leaky_relu the output y itself, which is
-    > 0 exactly where the pre-activation is; None for identity); backward receives that same ``saved``: the two
-    halves of a call always run on one backend. Optional: ``infer(x, weight, bias, activation) -> y``, used for calls without
+    pre-activation x @ W^T + b in x's dtype, or for relu the output y itself, as torch.relu keeps it:
+    y > 0 exactly where the pre-activation is; None for identity); backward receives that same
+    ``saved``: the two halves of a call always run on one backend. Optional: ``infer(x, weight, bias, activation) -> y``, used for calls without
     autograd by a backend whose forward would keep something for backward (triton's pre-activation);
     without it those calls take forward's y. Optional: ``differentiable(activation)``, a function of
     (x, weight, bias, activation) that torch's own autograd differentiates, or None; calls with autograd
