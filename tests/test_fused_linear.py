@@ -223,16 +223,9 @@ def test_nan_and_inf_rows_on_the_gpu_match_pytorch(backend, activation):
     g = torch.randn(64, 48, device="cuda").to(torch.bfloat16)
     got = fused_linear(x, weight, bias, activation, backend=backend)
     got_grads = torch.autograd.grad(got, (x, weight, bias), g)
-    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, weight, bias))
-    f = {
-        "relu": torch.relu,
-        "leaky_relu": torch.nn.functional.leaky_relu,
-        "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
-    }[activation]
-    want = f(torch.nn.functional.linear(xr, wr, br))
-    want_grads = torch.autograd.grad(want, (xr, wr, br), g)
-    names = ("y", "grad_x", "grad_weight", "grad_bias")
-    for name, a, b in zip(names, (got, *got_grads), (want, *want_grads)):
+    # PyTorch's act(F.linear(...)) in x's dtype: the reference without upcast
+    want, want_grads = reference_fused_linear(x, weight, bias, activation, g, upcast=False)
+    for name, a, b in zip(("y", *FUSED_LINEAR_GRADS), (got, *got_grads), (want, *want_grads)):
         for kind in (torch.isnan, torch.isposinf, torch.isneginf):
             assert torch.equal(kind(a), kind(b)), f"{backend} {name}: {kind.__name__} differs"
         finite = torch.isfinite(b)
