@@ -19,7 +19,7 @@ import torch
 from tabulate import tabulate
 
 from dispatch import heuristics
-from dispatch.calibrate.plan import BASELINE, costs, rank
+from dispatch.calibrate.plan import BASELINE, costs, preference, rank
 from dispatch.registry import Call
 from dispatch.contracts.shapes import TOKENS
 
@@ -48,7 +48,7 @@ def _speedup(entry: dict, m: int, backend: str, version: int) -> str:
     else:
         timed, has_base = costs, (lambda p: BASELINE in p["gpu_us"] and BASELINE in p["host_us"])
     points = [p for p in entry["points"] if backend in timed(p) and has_base(p)]
-    points = [p for p in points if rank(timed(p))[0] == backend] or points
+    points = [p for p in points if rank(timed(p), preference(entry["mode"]))[0] == backend] or points
     if not points:
         return ""
     near = min(points, key=lambda p: abs(math.log(p["m"] / m)))
@@ -161,6 +161,8 @@ def provenance(table: heuristics.Table) -> list[str]:
     stopped = ", stopped by its budget" if s.get("stopped_by_budget") else ""
     versions = f"torch {v.get('torch')}, triton {v.get('triton')}, cuda {v.get('cuda')}"
     rule = f"ties within {s.get('noise', 0):.0%} go to {' > '.join(s.get('preference', []))}"
+    if s.get("preference_inference"):
+        rule += f" ({' > '.join(s['preference_inference'])} without autograd)"
     if table.version >= 2:
         rule = f"the cheapest by max(GPU time, host cost) wins; {rule}"
     lines = [

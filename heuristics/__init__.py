@@ -401,6 +401,7 @@ def _check_settings(s: Any) -> None:
     _get(s, "elapsed_s", "settings", _number, None, 0.0, optional=True)
     _get(s, "budget_s", "settings", _number, None, 0.0, optional=True, nullable=True)
     _get(s, "preference", "settings", _strings, optional=True)
+    _get(s, "preference_inference", "settings", _strings, optional=True)
     for i, run in enumerate(_get(s, "runs", "settings", _array, optional=True) or []):
         where = f"settings.runs[{i}]"
         _object(run, where)

@@ -88,6 +88,24 @@ def test_rank_breaks_ties_by_preference():
     assert plan.rank({"triton": 1.0, "eager": 1.0 + 2 * plan.NOISE}) == ["triton", "eager"]
 
 
+
+def test_inference_ties_go_to_cublaslt_and_training_ties_to_eager():
+    """Within NOISE, a call without autograd goes to cuBLASLt (its epilogue saves eager's activation
+    pass); with autograd to eager (cuBLASLt's training path is a Python Function). Beyond NOISE the
+    cheaper backend wins in both modes."""
+
+    def pt(m, eager, cublaslt):
+        return {"m": m, "gpu_us": {"eager": eager, "cublaslt": cublaslt, "pytorch": eager},
+                "host_us": {"eager": 1.0, "cublaslt": 1.0, "pytorch": 1.0}, "err": {}}  # fmt: skip
+
+    tied = [pt(64, 100.0, 100.0 * (1 + plan.NOISE / 2)), pt(4096, 1000.0, 1000.0 * (1 - plan.NOISE / 2))]
+    inference = plan.fit(tied, plan.preference("inference"))
+    training = plan.fit(tied, plan.preference("training"))
+    assert [(s["backend"], s["gpu_backend"]) for s in inference] == [("cublaslt", "cublaslt")]
+    assert [(s["backend"], s["gpu_backend"]) for s in training] == [("eager", "eager")]
+    apart = [pt(64, 100.0, 100.0 * (1 + 2 * plan.NOISE))]
+    assert plan.fit(apart, plan.preference("inference"))[0]["backend"] == "eager"
+
 def test_the_winner_is_the_cheapest_by_max_of_gpu_time_and_host_cost():
     """At M = 64 'fast' has the shorter GPU time but a host cost above both of eager's clocks: eager wins
     (host-bound 'fast' would idle the GPU); at M = 4096 the GPU time dominates and 'fast' wins. Each

@@ -34,8 +34,9 @@ from tqdm import tqdm
 from dispatch import heuristics, select, timing
 from dispatch.calibrate import measure, ranks as ranking, refit, report
 from dispatch.calibrate.plan import (
-    BASELINE, FAMILY_ORDER, MODES, NOISE, PREFERENCE, Family, Plan, Series, contenders, default_plan, fit,
-    gpu_runs, held_out_ms, hopeless_in, runs, series_of, smooth_host, spread, to_bisect,
+    BASELINE, FAMILY_ORDER, MODES, NOISE, PREFERENCE, PREFERENCE_INFERENCE, Family, Plan, Series, contenders,
+    default_plan, fit, gpu_runs, held_out_ms, hopeless_in, preference, runs, series_of, smooth_host, spread,
+    to_bisect,
 )  # fmt: skip
 from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.registry import OPS, backends
@@ -295,15 +296,16 @@ class Run:
         table was refitted: triton at 21 of 751 H200 points, up to 1.25x faster than eager there.)"""
         f = s.family
         cap = self.plan.check_cap(f.op, features)
+        order = preference(f.mode)
         while True:
             todo = []
-            for name, pts in runs(points) + gpu_runs(points):
+            for name, pts in runs(points, order=order) + gpu_runs(points, order):
                 under = [p for p in pts if p["m"] <= cap]
                 for p in {id(p): p for p in (pts[0], under[-1] if under else pts[0])}.values():
                     if name not in p["err"]:
                         todo.append((name, p))
             if not todo:
-                return fit(points)
+                return fit(points, order)
             for name, p in todo:
                 ok, err, why = self.gate(self.case(f, act, dtype, p["m"], features), name, f, compiled)
                 if ok:
@@ -343,8 +345,9 @@ class Run:
         gpu = self.plan.device.type == "cuda"
         planned = {(f.op, _dt(f.dtype), f.mode, f.dropout) for f in self.planned}
         settings = {
-            "quick": self.plan.quick, "noise": NOISE, "preference": list(PREFERENCE), "p_dropout": measure.P_DROPOUT,
-            "rule": "cost = max(gpu_us, host_us); ties within noise go to preference",
+            "quick": self.plan.quick, "noise": NOISE, "preference": list(PREFERENCE),
+            "preference_inference": list(PREFERENCE_INFERENCE), "p_dropout": measure.P_DROPOUT,
+            "rule": "cost = max(gpu_us, host_us); ties within noise go to preference (preference_inference without autograd)",
             "baseline": "pytorch: F.dropout(act(x + b), p) / act(F.linear(x, w, b))",
             "timer": ("gpu_us: triton.testing.do_bench_cudagraph (events at >= 5 ms); host_us: perf_counter behind "
                       "torch.cuda._sleep" if gpu else "gpu_us = host_us = time.perf_counter median (no GPU clock)"),

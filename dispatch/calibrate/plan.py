@@ -3,7 +3,7 @@ points into a table's segments.
 
 The decision rule: a call run eagerly costs ``max(gpu_us, host_us)``: the host enqueues kernels while
 the GPU runs earlier ones, so whichever of the two is slower sets the pace. Segments are won by that
-cost; ties within NOISE go to the backend first in PREFERENCE. Each segment also records the winner by
+cost; ties within NOISE go to the backend first in the mode's preference (``preference``). Each segment also records the winner by
 GPU time alone (``gpu_backend``: what a CUDA graph or a host far ahead would see), which clock bound
 the winner, and its speedup over plain PyTorch (BASELINE, timed at every point, never chosen).
 """
@@ -24,6 +24,18 @@ from dispatch.contracts import shapes
 NOISE = 0.03  # backends within 3% of the cheapest are tied: the preferred one wins
 # ties go to the reference first, then to the backends that compile least
 PREFERENCE = ("eager", "cublaslt", "triton", "inductor", "nvfuser")
+# Without autograd cuBLASLt's epilogue runs the activation in the GEMM: one M x N pass less than eager's
+# F.linear + act. In the 2026-12-03 H200 calibration its bf16 GPU time was 0.61-1.006x eager's (median
+# 0.846, 101 points) and its host cost the same (median ratio 0.99), so a tie is noise around a call that
+# moves fewer bytes: it goes to cuBLASLt. (Eager first, OPT-13B's relu up projection at M = 2048, held
+# out, ran eager 1.15x slower than cuBLASLt.) Training keeps eager first: cuBLASLt's training path is a
+# Python autograd Function, 1.47x eager's host cost (median).
+PREFERENCE_INFERENCE = ("cublaslt", "eager", "triton", "inductor", "nvfuser")
+
+
+def preference(mode: str) -> tuple[str, ...]:
+    """The order ties go in for calls of ``mode``."""
+    return PREFERENCE_INFERENCE if mode == "inference" else PREFERENCE
 BASELINE = "pytorch"  # F.dropout(act(x + b), p) / act(F.linear(x, w, b)): what a user writes
 MODES = ("inference", "training")
 # Families in priority order (what real models run most: training, then serving). The run always serves
@@ -283,18 +295,18 @@ def pool_host(entries: list[dict]) -> None:
                     p["host_us"][n] = float(f"{med[n]:.4g}")
 
 
-def rank(values: dict[str, float]) -> list[str]:
-    """Names best first: among those within NOISE of the smallest value the preferred one wins, the
-    rest follow by value."""
+def rank(values: dict[str, float], order: tuple[str, ...] = PREFERENCE) -> list[str]:
+    """Names best first: among those within NOISE of the smallest value the first in ``order`` wins,
+    the rest follow by value."""
     best = min(values.values())
-    pref = {n: (PREFERENCE.index(n) if n in PREFERENCE else len(PREFERENCE), n) for n in values}
+    pref = {n: (order.index(n) if n in order else len(order), n) for n in values}
     winner = min((n for n in values if values[n] <= best * (1 + NOISE)), key=pref.__getitem__)
     return [winner] + sorted((n for n in values if n != winner), key=lambda n: (values[n], pref[n]))
 
 
-def winner(point: dict) -> Optional[str]:
+def winner(point: dict, order: tuple[str, ...] = PREFERENCE) -> Optional[str]:
     c = costs(point)
-    return rank(c)[0] if c else None
+    return rank(c, order)[0] if c else None
 
 
 def bound(point: dict, name: str) -> str:
@@ -310,13 +322,13 @@ def compiling() -> frozenset[str]:
     return frozenset(n for n, b in backends().items() if b.compiles)
 
 
-def gpu_winner(point: dict) -> str:
+def gpu_winner(point: dict, order: tuple[str, ...] = PREFERENCE) -> str:
     """The winner by GPU time alone among the backends with a cost at ``point`` that a capture may run:
     what a call captured in a CUDA graph should run (``gpu_backend``). Ranked over every backend it
     named inductor at 28 of 751 H200 points, where ``capture_pick`` then fell back to the cost pick."""
     c = costs(point)
     pool = [n for n in c if n not in compiling()] or list(c)
-    return rank({n: point["gpu_us"][n] for n in pool})[0]
+    return rank({n: point["gpu_us"][n] for n in pool}, order)[0]
 
 
 def _grouped(points: list[dict], key: Callable[[dict], tuple]) -> list[tuple[tuple, list[dict]]]:
@@ -331,23 +343,25 @@ def _grouped(points: list[dict], key: Callable[[dict], tuple]) -> list[tuple[tup
     return out
 
 
-def gpu_runs(points: list[dict]) -> list[tuple[str, list[dict]]]:
+def gpu_runs(points: list[dict], order: tuple[str, ...] = PREFERENCE) -> list[tuple[str, list[dict]]]:
     """Consecutive points (by M) with one winner by GPU time alone."""
-    return [(k[0], pts) for k, pts in _grouped(points, lambda p: (gpu_winner(p),))]
+    return [(k[0], pts) for k, pts in _grouped(points, lambda p: (gpu_winner(p, order),))]
 
 
-def runs(points: list[dict], by_clock: bool = False) -> list[tuple[str, list[dict]]]:
+def runs(
+    points: list[dict], by_clock: bool = False, order: tuple[str, ...] = PREFERENCE
+) -> list[tuple[str, list[dict]]]:
     """Consecutive points (by M) with one winner (and, ``by_clock``, one clock binding it and one
     winner by GPU time alone)."""
 
     def key(p: dict) -> tuple:
-        w = winner(p)
-        return (w, bound(p, w), gpu_winner(p)) if by_clock else (w,)
+        w = winner(p, order)
+        return (w, bound(p, w), gpu_winner(p, order)) if by_clock else (w,)
 
     return [(k[0], pts) for k, pts in _grouped(points, key)]
 
 
-def segment(m_from: int, name: str, points: list[dict]) -> dict:
+def segment(m_from: int, name: str, points: list[dict], order: tuple[str, ...] = PREFERENCE) -> dict:
     """A segment won by ``name`` over ``points``; its numbers come from the closest call among them."""
 
     def margin(p: dict) -> float:
@@ -357,8 +371,8 @@ def segment(m_from: int, name: str, points: list[dict]) -> dict:
 
     tight = min(points, key=margin)
     c = costs(tight)
-    order = rank(c)
-    runner = order[1] if len(order) > 1 else None
+    ranked = rank(c, order)
+    runner = ranked[1] if len(ranked) > 1 else None
     gpu, host = tight["gpu_us"], tight["host_us"]
     base = [p for p in points if BASELINE in p["gpu_us"] and BASELINE in p["host_us"]]
     speedups = [max(p["gpu_us"][BASELINE], p["host_us"][BASELINE]) / costs(p)[name] for p in base]
@@ -369,7 +383,7 @@ def segment(m_from: int, name: str, points: list[dict]) -> dict:
         "margin": round(margin(tight), 4) if runner else None,
         "speedup": round(min(speedups), 4) if speedups else None,
         "m": tight["m"], "clock": bound(tight, name),
-        "gpu_backend": gpu_winner(tight),
+        "gpu_backend": gpu_winner(tight, order),
         "gpu_us": {n: gpu[n] for n in shown}, "host_us": {n: host[n] for n in shown},
     }  # fmt: skip
     if tight in base:
@@ -378,14 +392,14 @@ def segment(m_from: int, name: str, points: list[dict]) -> dict:
     return seg
 
 
-def fit(points: list[dict]) -> list[dict]:
+def fit(points: list[dict], order: tuple[str, ...] = PREFERENCE) -> list[dict]:
     """Segments along M: a new one where the winner, the clock that binds it or the winner by GPU time
     alone changes, from the geometric middle of the two points that bracket the change (so explain()
     names the clock, and capture the backend, that held at every measured point of the segment)."""
     segments, prev = [], 0
-    for name, pts in runs(points, by_clock=True):
+    for name, pts in runs(points, by_clock=True, order=order):
         m_from = 1 if not segments else max(prev + 1, math.ceil(math.sqrt(prev * pts[0]["m"])))
-        segments.append(segment(m_from, name, pts))
+        segments.append(segment(m_from, name, pts, order))
         prev = pts[-1]["m"]
     return segments
 

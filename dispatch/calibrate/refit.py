@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 from dispatch import heuristics
 from dispatch.calibrate import report
-from dispatch.calibrate.plan import BASELINE, fit, pool_host
+from dispatch.calibrate.plan import BASELINE, PREFERENCE, PREFERENCE_INFERENCE, fit, pool_host, preference
 
 RULE_GPU = "host cost = the family's median (plan.pool_host); segments by plan.fit"
 
@@ -40,13 +40,14 @@ def refit_entries(entries: list[dict], gpu: bool) -> None:
             {**p, **{k: {n: v for n, v in p[k].items() if n in checked} for k in ("gpu_us", "host_us")}}
             for p in e["points"]
         ]
-        e["segments"] = fit(points)
+        e["segments"] = fit(points, preference(e["mode"]))
 
 
 def refit(doc: dict) -> dict:
     """``doc`` (a schema-2 calibration with raw points) with its segments and self-check refitted."""
     gpu = doc["device"].get("type") == "cuda"
     refit_entries(doc["entries"], gpu)
+    doc["settings"].update(preference=list(PREFERENCE), preference_inference=list(PREFERENCE_INFERENCE))
     doc["settings"]["refit"] = {"date": datetime.date.today().isoformat(), "rule": RULE_GPU if gpu else "plan.fit"}
     doc["self_check"] = report.self_check(doc)
     return doc
