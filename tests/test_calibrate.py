@@ -136,6 +136,20 @@ def test_the_winner_is_the_cheapest_by_max_of_gpu_time_and_host_cost():
     assert [s["backend"] for s in plan.fit(points)] == ["fast"]
 
 
+def test_points_whose_contenders_are_slow_calls_take_more_rounds():
+    """On a GPU, calls of SLOW_MS or more are read by events and the GPU's clock drifts under them: a
+    point whose close contenders include one takes SLOW_ROUNDS; a slow entry far behind the cheapest
+    does not, nor does any point on a CPU (one wall clock)."""
+    gpu = measure.Clock(CPU, 3, False)
+    gpu.cuda = True  # the rule alone: no GPU is touched
+    slow = measure.SLOW_MS
+    assert gpu.rounds_for({"eager": slow * 1.1, "pytorch": slow * 1.2}) == measure.SLOW_ROUNDS
+    assert gpu.rounds_for({"eager": slow * 0.9, "triton": slow * 1.05}) == measure.SLOW_ROUNDS
+    assert gpu.rounds_for({"eager": slow * 0.5, "nvfuser": slow * 1.5}) == 3
+    assert gpu.rounds_for({"eager": slow * 0.5}) == 3
+    assert measure.Clock(CPU, 3, False).rounds_for({"eager": slow * 2}) == 3
+
+
 def test_bisection_finds_the_crossover_and_both_clocks_are_recorded(user_dir, clocks, capsys):
     out = user_dir / "t.json"
     assert calibrate.main(args(out, "--budget", "600", acts=("gelu", "silu", "identity"), features=("32", "32,16"),
@@ -540,16 +554,24 @@ def test_cuda_clocks_retry_a_drained_queue_and_fall_back_where_capture_fails(mon
         sample = clock.sample(t, 0.01)
         assert sample.gpu_us == 500.0 and sample.how.startswith("do_bench (capture failed: RuntimeError")
     assert len(captures) == 1  # tried once per backend and kind of call
-    # a long call: events around back-to-back calls, read afresh in every round (the estimate it was
-    # planned by is one reading, taken right after its first call), the median of the rounds kept
-    readings = iter([9.0, 6.0, 8.0, 7.0])  # prepare's estimate, then one per round
+    # a long call: events around back-to-back calls, read afresh in every one of SLOW_ROUNDS rounds
+    # (the estimate it was planned by is one reading, taken right after its first call), each of about
+    # SLOW_SAMPLE_MS of calls (9 ms a call: 5 of them), the median of the rounds kept
+    readings = iter([9.0, 6.0, 8.0, 7.0, 6.5, 7.5, 30.0, 7.0])  # prepare's estimate, then one a round
+    runs = []
+
+    def estimate(self, t, n=2):
+        runs.append(n)
+        return next(readings)
+
     monkeypatch.setattr(measure.Clock, "first", lambda self, t: 0.0)
-    monkeypatch.setattr(measure.Clock, "estimate_ms", lambda self, t: next(readings))
+    monkeypatch.setattr(measure.Clock, "estimate_ms", estimate)
     monkeypatch.setattr(measure.Clock, "host_us", lambda self, t, est_ms: (50.0, False))
     served = measure.Case("fused_linear", torch.float32, "relu", False, False, 4, (8, 8), CPU)
     long = measure.Timer(lambda: None, [], 1, "eager", served)
     got, _ = clock.time({"eager": long})
-    assert got["eager"].how == "events" and got["eager"].gpu_us == 7000.0  # median of 6, 8, 7 ms
+    assert runs == [2] + [5] * measure.SLOW_ROUNDS and measure.SLOW_ROUNDS == 7
+    assert got["eager"].how == "events" and got["eager"].gpu_us == 7000.0  # one stray 30 ms outvoted
 
 
 @pytest.mark.gpu

@@ -76,7 +76,7 @@ def time_case(case: measure.Case, clock: measure.Clock, rounds: int) -> dict[str
         for name, r in skipped.items():  # hopeless here: scored at its estimate on every clock
             if isinstance(r, measure.Timed):
                 out[name] = {"gpu": [r.gpu_us], "host": [r.host_us], "wall": [r.gpu_us]}
-        for r, name in timing.rotations(list(est), rounds):
+        for r, name in timing.rotations(list(est), clock.rounds_for(est)):
             t = timers[name]
             try:
                 s = clock.sample(t, est[name])

@@ -10,7 +10,8 @@ The clocks (``Clock``), per op call, each the median of interleaved rounds (A B 
   ``timing.wall_ms`` (do_bench) and the point says so (``gpu_clock``). A call of SLOW_MS or more is
   timed by events around back-to-back calls (its host time hides behind it), afresh in every round:
   one reading, taken right after each entry's first call in a fixed order, put eager at 1.18-1.32x
-  plain PyTorch's identical kernels in three held-out runs at 12288 x 24576 x 6144 gelu (H200).
+  plain PyTorch's identical kernels in three held-out runs at 12288 x 24576 x 6144 gelu (H200). A
+  point whose contenders include such a call takes SLOW_ROUNDS rounds of SLOW_SAMPLE_MS samples.
 - ``host_us``: the host's cost of a call, ``time.perf_counter`` around back-to-back calls queued behind
   a ``torch.cuda._sleep`` kernel that outlasts them, so the host never waits on the GPU. If the sleep
   ran out first (the call synchronizes, or the launch queue filled), it is retried longer with fewer
@@ -44,6 +45,13 @@ from dispatch.contracts.backend import Call
 P_DROPOUT = 0.1  # the p of every dropout measurement: the cost does not depend on p
 SLOW_MS = timing.SLOW_MS  # 5 ms; on a CPU 50 ms (fused_linear 64 x 3072 x 768 takes ~5 ms on 2 cores)
 CPU_SLOW_MS = 50.0
+# Calls of SLOW_MS or more: eager against PyTorch's identical ops (OPT-13B 12288 x 20480 x 5120 identity,
+# H200) read 0.950-1.084x with 3 rounds of 2 or 8 back-to-back calls, 0.994-1.010x (largest spread 2.2%
+# at 8 calls) with 7 rounds; the held-out run of 3 rounds read 0.909-1.076x over 60 calls. The GPU's
+# clock moves with power and temperature over a few hundred ms: more rounds, spread in time, outvote it.
+SLOW_ROUNDS = 7
+SLOW_SAMPLE_MS = 40.0  # back-to-back calls per events sample: about this long, 2 to 8 calls
+SLOW_CONTENDER = 1.25  # entries within this factor of the cheapest estimate decide the point's rounds
 # calls unrolled per graph: ~0.5 ms of them, replayed 10 times. Capturing costs the host's time per call
 # (100-300 us for a training step on the H200 host), so a 1 ms graph of a 10 us call spent ~20 ms of host
 # time per sample; at 0.5 ms the events' few us around a replay stay under 1% of it.
@@ -311,19 +319,28 @@ class Clock:
         timing.synchronize(self.device)
         return time.perf_counter() - start
 
-    def estimate_ms(self, t: Timer) -> float:
-        """ms per op call of two back-to-back runs between events: about max(host, GPU). 0 on a CPU."""
+    def estimate_ms(self, t: Timer, runs: int = 2) -> float:
+        """ms per op call of ``runs`` back-to-back runs between events: about max(host, GPU). 0 on a CPU."""
         if not self.cuda:
             return 0.0
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         timing.synchronize(self.device)
         start.record()
-        for _ in range(2):
+        for _ in range(runs):
             _reset(t)
             t.fn()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / (2 * t.calls)
+        return start.elapsed_time(end) / (runs * t.calls)
+
+    def rounds_for(self, est: dict[str, float]) -> int:
+        """Rounds for a point with these estimates (ms per op call): SLOW_ROUNDS where an entry close to
+        the cheapest is read by events (SLOW_MS or more), else the clock's own."""
+        if not self.cuda or not est:
+            return self.rounds
+        best = min(est.values())
+        slow = any(e >= SLOW_MS for e in est.values() if e <= SLOW_CONTENDER * best)
+        return max(self.rounds, SLOW_ROUNDS) if slow else self.rounds
 
     def slow(self, sample: Optional[Timed]) -> bool:
         """Whether an entry gets one round only: on a CPU a call of CPU_SLOW_MS or more (its wall time
@@ -337,7 +354,8 @@ class Clock:
             return Timed(ms * 1e3, ms * 1e3, "wall", False)
         host, drained = self.host_us(t, est_ms)
         if est_ms >= SLOW_MS:
-            return Timed(self.estimate_ms(t) * 1e3, host, "events", drained)
+            runs = max(2, min(8, math.ceil(SLOW_SAMPLE_MS / (est_ms * t.calls))))
+            return Timed(self.estimate_ms(t, runs) * 1e3, host, "events", drained)
         gpu, how = self.gpu_us(t)
         return Timed(gpu, host, how, drained)
 
@@ -431,7 +449,7 @@ class Clock:
         spent = dict.fromkeys(timers, 0.0)
         est, out = self.prepare(timers, may_start, spent)
         samples: dict[str, list[Timed]] = {n: [] for n in est}
-        for _, name in timing.rotations(list(est), self.rounds):
+        for _, name in timing.rotations(list(est), self.rounds_for(est)):
             got = samples[name]
             if name in out or (got and self.slow(got[0])):
                 continue
