@@ -65,12 +65,6 @@ def cases(
     return out
 
 
-# The judge takes SLOW_ROUNDS from 0.5 ms on (the calibration from 5 ms, where events read): eager
-# against PyTorch's identical ops read 0.978-1.045x at 19 held-out calls of 0.5-5 ms with 3 rounds,
-# 0.98-1.022x below 0.5 ms (H200, 2026-12-03).
-MANY_ROUNDS_MS = 0.5
-
-
 def time_case(case: measure.Case, clock: measure.Clock, rounds: int) -> dict[str, dict[str, float]]:
     """{entry: {"gpu", "host", "wall"}} in us per call, medians over interleaved rounds."""
     names = [n for n, b in backends().items() if not b.not_supported_reasons(case.call(), explicit=False)]
@@ -82,7 +76,7 @@ def time_case(case: measure.Case, clock: measure.Clock, rounds: int) -> dict[str
         for name, r in skipped.items():  # hopeless here: scored at its estimate on every clock
             if isinstance(r, measure.Timed):
                 out[name] = {"gpu": [r.gpu_us], "host": [r.host_us], "wall": [r.gpu_us]}
-        for r, name in timing.rotations(list(est), clock.rounds_for(est, MANY_ROUNDS_MS)):
+        for r, name in timing.rotations(list(est), clock.rounds_for(est)):
             t = timers[name]
             try:
                 s = clock.sample(t, est[name])

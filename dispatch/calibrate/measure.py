@@ -333,14 +333,13 @@ class Clock:
         end.synchronize()
         return start.elapsed_time(end) / (runs * t.calls)
 
-    def rounds_for(self, est: dict[str, float], slow_ms: float = SLOW_MS) -> int:
+    def rounds_for(self, est: dict[str, float]) -> int:
         """Rounds for a point with these estimates (ms per op call): SLOW_ROUNDS where an entry close to
-        the cheapest takes ``slow_ms`` or more (by default: where it is read by events), else the
-        clock's own."""
+        the cheapest is read by events (SLOW_MS or more), else the clock's own."""
         if not self.cuda or not est:
             return self.rounds
         best = min(est.values())
-        slow = any(e >= slow_ms for e in est.values() if e <= SLOW_CONTENDER * best)
+        slow = any(e >= SLOW_MS for e in est.values() if e <= SLOW_CONTENDER * best)
         return max(self.rounds, SLOW_ROUNDS) if slow else self.rounds
 
     def slow(self, sample: Optional[Timed]) -> bool:
