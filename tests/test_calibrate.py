@@ -624,3 +624,29 @@ def test_host_cost_is_the_family_median_of_the_measured_series():
         assert all(p["host_us"] == {"eager": 12.0, "triton": 50.0} for p in e["points"]), e["points"]
     assert other["points"][0]["host_us"] == {"eager": 200.0, "triton": 300.0}
     assert member["points"][0]["host_us_measured"] == {"eager": 1000.0, "triton": 1000.0}  # the clock's reading kept
+
+
+def test_the_held_out_judge_reports_capture_runnable_scores_and_its_own_noise():
+    """Two calls: at the first inductor (which a capture never runs) is fastest, triton the fastest a
+    capture may run and eager the pick; at the second eager and PyTorch run the same ops. The summary
+    scores against every backend; the diagnostics against the capturable ones, and the A/A spread."""
+    from dispatch.calibrate import evaluate
+
+    def row(act, us, pick="eager"):
+        t = {n: {"gpu": g, "host": 10.0, "wall": g} for n, g in us.items()}
+        return {"model": "m", "op": "fused_linear", "mode": "inference", "m": 256, "features": [8, 8],
+                "activation": act, "pick": pick, "captured_pick": None, "us": t,
+                "score": evaluate.score(t, pick)}  # fmt: skip
+
+    rows = [
+        row("gelu", {"eager": 120.0, "triton": 100.0, "inductor": 80.0, "pytorch": 120.0}),
+        row("relu", {"eager": 103.0, "triton": 110.0, "pytorch": 100.0}),
+    ]
+    assert rows[0]["score"]["gpu_ratio"] == pytest.approx(1.5)
+    assert rows[0]["score"]["fastest_gpu"] == "inductor"
+    lines, ok = evaluate.summary(rows)
+    assert not ok and lines[-1][3] == "50%" and lines[-1][4] == "1.500x"
+    capture, noise = evaluate.diagnostics(rows)
+    assert capture.endswith("a capture may run: 50.0% within 5%, worst 1.200x (2 calls)")
+    assert noise.endswith("1.000-1.030x (2 calls)")
+

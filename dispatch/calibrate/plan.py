@@ -3,9 +3,10 @@ points into a table's segments.
 
 The decision rule: a call run eagerly costs ``max(gpu_us, host_us)``: the host enqueues kernels while
 the GPU runs earlier ones, so whichever of the two is slower sets the pace. Segments are won by that
-cost; ties within NOISE go to the backend first in the mode's preference (``preference``). Each segment also records the winner by
-GPU time alone (``gpu_backend``: what a CUDA graph or a host far ahead would see), which clock bound
-the winner, and its speedup over plain PyTorch (BASELINE, timed at every point, never chosen).
+cost; ties within NOISE go to the backend first in the mode's order (``preference``). Each segment
+also records the winner by GPU time alone (``gpu_backend``: what a CUDA graph or a host far ahead
+would see), which clock bound the winner, and its speedup over plain PyTorch (BASELINE, timed at
+every point, never chosen).
 """
 
 from __future__ import annotations
