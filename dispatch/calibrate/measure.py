@@ -45,10 +45,11 @@ from dispatch.contracts.backend import Call
 P_DROPOUT = 0.1  # the p of every dropout measurement: the cost does not depend on p
 SLOW_MS = timing.SLOW_MS  # 5 ms; on a CPU 50 ms (fused_linear 64 x 3072 x 768 takes ~5 ms on 2 cores)
 CPU_SLOW_MS = 50.0
-# Calls of SLOW_MS or more: eager against PyTorch's identical ops (OPT-13B 12288 x 20480 x 5120 identity,
-# H200) read 0.950-1.084x with 3 rounds of 2 or 8 back-to-back calls, 0.994-1.010x (largest spread 2.2%
-# at 8 calls) with 7 rounds; the held-out run of 3 rounds read 0.909-1.076x over 60 calls. The GPU's
-# clock moves with power and temperature over a few hundred ms: more rounds, spread in time, outvote it.
+# Calls of SLOW_MS or more, read by events: eager against PyTorch's identical ops (OPT-13B 12288 x 20480 x
+# 5120 identity training, 11 ms a call, H200) read 1.066x / 0.990x over 3 rounds of 2 / 8 back-to-back
+# calls, 1.003x / 1.002x over 7; 8 held-out calls of 5 ms or more 0.909-1.076x with 3 rounds of 2, then
+# 0.951-1.018x in two runs with these settings. The GPU's clock moves with power and temperature over a
+# few hundred ms: more rounds, spread in time, outvote it.
 SLOW_ROUNDS = 7
 SLOW_SAMPLE_MS = 40.0  # back-to-back calls per events sample: about this long, 2 to 8 calls
 SLOW_CONTENDER = 1.25  # entries within this factor of the cheapest estimate decide the point's rounds
