@@ -118,11 +118,9 @@ def diagnostics(rows: list[dict]) -> list[str]:
     """What the targets do not show: the captured pick against the backends a capture may run (never
     one that compiles: ``select.capture_pick``), and the judge's own noise, eager against plain PyTorch
     where both run PyTorch's own ops (fused_linear with a native activation: the same kernels)."""
-    out = []
-    scored = [r for r in rows if r["score"]]
-    ratios = []
-    for r in scored:
-        pool = [v["gpu"] for n, v in r["us"].items() if n != BASELINE and n not in compiling()]
+    out, ratios, compiles = [], [], compiling()
+    for r in (r for r in rows if r["score"]):
+        pool = [v["gpu"] for n, v in r["us"].items() if n != BASELINE and n not in compiles]
         pick = r["captured_pick"] or r["pick"]
         if pool and pick in r["us"]:
             ratios.append(r["us"][pick]["gpu"] / min(pool))

@@ -33,10 +33,6 @@ PREFERENCE = ("eager", "cublaslt", "triton", "inductor", "nvfuser")
 # Python autograd Function, 1.47x eager's host cost (median).
 PREFERENCE_INFERENCE = ("cublaslt", "eager", "triton", "inductor", "nvfuser")
 
-
-def preference(mode: str) -> tuple[str, ...]:
-    """The order ties go in for calls of ``mode``."""
-    return PREFERENCE_INFERENCE if mode == "inference" else PREFERENCE
 BASELINE = "pytorch"  # F.dropout(act(x + b), p) / act(F.linear(x, w, b)): what a user writes
 MODES = ("inference", "training")
 # Families in priority order (what real models run most: training, then serving). The run always serves
@@ -294,6 +290,11 @@ def pool_host(entries: list[dict]) -> None:
             for n in own:
                 if n in med:
                     p["host_us"][n] = float(f"{med[n]:.4g}")
+
+
+def preference(mode: str) -> tuple[str, ...]:
+    """The order ties go in for calls of ``mode``."""
+    return PREFERENCE_INFERENCE if mode == "inference" else PREFERENCE
 
 
 def rank(values: dict[str, float], order: tuple[str, ...] = PREFERENCE) -> list[str]:
