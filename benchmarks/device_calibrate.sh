@@ -5,7 +5,7 @@
 # calibration's sizes); every file also lands under $OUT with the same relative path.
 #   bash benchmarks/device_calibrate.sh
 # CAL_BUDGET: default 530 s (the full run took 506 s). EVAL_BUDGET: default 0, no evaluation (its 90 calls
-# take ~150 s, more than a full run leaves of a call: run python3 -m dispatch.calibrate.evaluate in the
+# take ~150 s, more than a full run leaves of a call: run python3 benchmarks/bench_heldout.py in the
 # next call). CAL_ARGS adds calibrate arguments (e.g. "--resume" to extend a stopped run).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -28,7 +28,7 @@ python3 -m dispatch.calibrate --budget "$CAL_BUDGET" --out "$RAW" --slim-out "$S
 echo "calibrate rc=$? in $((SECONDS - start)) s"
 python3 -m dispatch.table --gpu "$SLIM" >"$R/choice_tables-$DATE.txt" 2>&1
 if [ "$EVAL_BUDGET" != 0 ]; then
-  python3 -m dispatch.calibrate.evaluate --table "$SLIM" --budget "$EVAL_BUDGET" --out "$R/heldout-$DATE.json" \
+  python3 benchmarks/bench_heldout.py --table "$SLIM" --budget "$EVAL_BUDGET" --out "$R/heldout-$DATE.json" \
     >"$R/heldout-$DATE.log" 2>"$R/heldout-$DATE.err"
   echo "evaluate rc=$? at $((SECONDS - start)) s"
 fi

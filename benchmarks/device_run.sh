@@ -14,7 +14,7 @@
 #   calibrate_resume          extends $RESUME_FROM's table
 #   refresh                   measures the families selected by $REFRESH again into the shipped table
 #   table                     the choice tables of the table calibrate wrote
-#   heldout                   python -m dispatch.calibrate.evaluate on the shipped table, budget = limit - 90 s
+#   heldout                   python benchmarks/bench_heldout.py on the shipped table, budget = limit - 90 s
 # Stages run in the order given; a stage's limit defaults to 300 s.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -61,7 +61,7 @@ for arg in "$@"; do
       # shellcheck disable=SC2086
       stage refresh "$limit" python3 -m dispatch.calibrate --refresh ${REFRESH:?} --budget $((limit - 45)) --out "$TABLE" ;;
     table) stage table "$limit" python3 -m dispatch.table --gpu "$TABLE" ;;
-    heldout) stage heldout "$limit" python3 -m dispatch.calibrate.evaluate --table heuristics/tables/nvidia-h200.json \
+    heldout) stage heldout "$limit" python3 benchmarks/bench_heldout.py --table heuristics/tables/nvidia-h200.json \
       --budget $((limit - 90)) --out "$R/heldout.json" ;;
     *) echo "unknown stage $name" ;;
   esac

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 from tabulate import tabulate
 
-from dispatch.calibrate import measure as bench
+from dispatch import cases
 from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.registry import OPS, backends
 
@@ -69,12 +69,12 @@ def grid(device: torch.device, quick: bool) -> list[Case]:
         acts = sorted(ACTIVATION_NAMES, key=lambda a: a != "gelu")
         if quick:
             shape = shapes[0]
-            cases = [(op, a, torch.float32, drops[0], shape) for a in acts]
-            cases[1:1] = [(op, "gelu", d, drops[0], shape) for d in DTYPES if d != torch.float32]
-            cases += [(op, "gelu", torch.float32, d, shape) for d in drops[1:]]  # p = 0 once
+            todo = [(op, a, torch.float32, drops[0], shape) for a in acts]
+            todo[1:1] = [(op, "gelu", d, drops[0], shape) for d in DTYPES if d != torch.float32]
+            todo += [(op, "gelu", torch.float32, d, shape) for d in drops[1:]]  # p = 0 once
         else:
-            cases = [(op, a, d, p, s) for a in acts for d in DTYPES for p in drops for s in shapes]
-        per_op.append(cases)
+            todo = [(op, a, d, p, s) for a in acts for d in DTYPES for p in drops for s in shapes]
+        per_op.append(todo)
     return [c for group in itertools.zip_longest(*per_op) for c in group if c is not None]
 
 
@@ -90,7 +90,7 @@ def run(
     runnable = [n for n in names if n != "eager" and backends()[n].unavailable() is None]
     share = budget / max(len(runnable), 1) if budget is not None else None
     for i, (op, activation, dtype, dropout, shape) in enumerate(grid(device, quick)):
-        case = bench.Case(op, dtype, activation, True, dropout, shape[0], tuple(shape[1:]), device)
+        case = cases.Case(op, dtype, activation, True, dropout, shape[0], tuple(shape[1:]), device)
         call = case.call()
         inp = refs = eager = None
         for name in names:
@@ -101,14 +101,14 @@ def run(
                 skipped.setdefault(name, set()).update(why)
                 continue
             if inp is None:
-                inp = bench.make_inputs(case, seed=i)
-                refs, eager = bench.reference(case, inp), bench.run_once("eager", case, inp)
+                inp = cases.make_inputs(case, seed=i)
+                refs, eager = cases.reference(case, inp), cases.run_once("eager", case, inp)
             row = rows.setdefault((name, op, str(dtype)[6:]), Row(name, op, str(dtype)[6:]))
             start = time.monotonic()
             c = (
-                bench.compare(eager, refs, eager)
+                cases.compare(eager, refs, eager)
                 if name == "eager"
-                else bench.check(name, case, inp, refs, eager)
+                else cases.check(name, case, inp, refs, eager)
             )
             row.seconds += time.monotonic() - start
             spent[name] += time.monotonic() - start

@@ -67,7 +67,7 @@ def synchronize(device: Optional[torch.device] = None) -> None:
         torch.cuda.synchronize(device)
 
 
-def _settle(device: torch.device) -> None:
+def settle(device: torch.device) -> None:
     """Synchronize after a failure, swallowing what a failed kernel or capture left behind."""
     try:
         synchronize(device)
@@ -75,7 +75,7 @@ def _settle(device: torch.device) -> None:
         pass
 
 
-def _reset(grad_to_none: Sequence[Tensor]) -> None:
+def reset_grads(grad_to_none: Sequence[Tensor]) -> None:
     for t in grad_to_none:
         t.grad = None
 
@@ -133,7 +133,7 @@ def cpu_ms(
     ``budget_ms``, at most ``max_runs``."""
     times: list[float] = []
     while len(times) < min_runs or (len(times) < max_runs and sum(times) < budget_ms):
-        _reset(grad_to_none)
+        reset_grads(grad_to_none)
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3 / calls)
@@ -147,7 +147,7 @@ def back_to_back_ms(fn: Fn, grad_to_none: Sequence[Tensor], runs: int, device: t
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(runs):
-        _reset(grad_to_none)
+        reset_grads(grad_to_none)
         fn()
     if cuda:
         torch.cuda.synchronize(device)
@@ -207,7 +207,7 @@ def host_ms(
         busy.record()
         start = time.perf_counter()
         for _ in range(runs):
-            _reset(grad_to_none)
+            reset_grads(grad_to_none)
             fn()
         seconds = time.perf_counter() - start
         drained = busy.query()  # the sleep had ended: the host may have waited on the GPU
@@ -243,7 +243,7 @@ def per_call_ms(
         if device.type != "cuda":
             return cpu_ms(fn, (100.0 if quick else 300.0) * share, grad_to_none, calls)
         if warm:
-            _reset(grad_to_none)
+            reset_grads(grad_to_none)
             fn()
         import triton.testing
 
@@ -331,7 +331,7 @@ def first_call(fn: Fn, device: torch.device) -> tuple[Optional[float], str]:
         synchronize(device)
         return time.perf_counter() - start, ""
     except Exception as exc:  # one failing entry must not end the run
-        _settle(device)
+        settle(device)
         return None, describe(exc)
 
 
@@ -380,7 +380,7 @@ def compare(
                     got[clock].append(wall_ms(entries[name], device, share))
             except Exception as exc:
                 errors[clock] = describe(exc)
-                _settle(device)
+                settle(device)
     for name, got in clocks.items():
         out[name].gpu = Timing(tuple(got["gpu"])) if got["gpu"] else None
         out[name].wall = Timing(tuple(got["wall"])) if got["wall"] else None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dispatch import heuristics
-from dispatch import calibrate, explain, select
+from dispatch import calibrate, cases, explain, select
 from dispatch import table as table_cli
 from dispatch.calibrate import __main__ as cli
 from dispatch.calibrate import measure, plan
@@ -454,8 +454,8 @@ def test_tiny_real_run_on_cpu(user_dir, capsys):
 def test_host_clock_waits_for_no_gpu():
     """Clock.time on the CPU: interleaved rounds, a median per entry, the baseline timed alongside, an
     entry that raises reported, an entry refused a start (no budget) not run at all."""
-    case = measure.Case("bias_act_dropout", torch.float32, "relu", False, False, 4, (8,), CPU)
-    inp = measure.make_inputs(case, 0)
+    case = cases.Case("bias_act_dropout", torch.float32, "relu", False, False, 4, (8,), CPU)
+    inp = cases.make_inputs(case, 0)
     ran = []
     timers = {n: measure.timer(n, case, inp) for n in ("eager", plan.BASELINE)}
     timers["broken"] = measure.Timer(lambda: 1 / 0, [], 1, "broken", case)
@@ -472,7 +472,7 @@ def test_clock_chains_a_short_point_alike_and_keeps_hopeless_entries_at_their_es
     no point mixes chained and single timings; an entry at least SKIP_MS a call and over HOPELESS_X
     times the cheapest keeps its single-call estimate untimed; a point whose cheapest entry is at
     CHAIN_BELOW_MS or more is timed one forward per backward throughout."""
-    case = measure.Case("fused_linear", torch.float32, "relu", True, False, 4, (8, 8), CPU)
+    case = cases.Case("fused_linear", torch.float32, "relu", True, False, 4, (8, 8), CPU)
     built = []
 
     def timer(name, est, chain=True, calls=1):  # chained: a little less per call (autograd's cost shared)
@@ -542,7 +542,7 @@ def test_cuda_clocks_retry_a_drained_queue_and_fall_back_where_capture_fails(mon
     monkeypatch.setattr(timing, "wall_ms", lambda *a, **k: 0.5)
     clock = measure.Clock(types.SimpleNamespace(type="cuda"), 3, True)
     clock._cycles_per_ms = 1e6
-    case = measure.Case("fused_linear", torch.float32, "relu", True, False, 4, (8, 8), CPU)
+    case = cases.Case("fused_linear", torch.float32, "relu", True, False, 4, (8, 8), CPU)
     calls = []
     t = measure.Timer(lambda: calls.append(1), [], 4, "nvfuser", case)
     us, was_drained = clock.host_us(t, est_ms=0.01)  # 0.04 ms a run of 4 calls: 20 runs, then 5
@@ -567,7 +567,7 @@ def test_cuda_clocks_retry_a_drained_queue_and_fall_back_where_capture_fails(mon
     monkeypatch.setattr(measure.Clock, "first", lambda self, t: 0.0)
     monkeypatch.setattr(measure.Clock, "estimate_ms", estimate)
     monkeypatch.setattr(measure.Clock, "host_us", lambda self, t, est_ms: (50.0, False))
-    served = measure.Case("fused_linear", torch.float32, "relu", False, False, 4, (8, 8), CPU)
+    served = cases.Case("fused_linear", torch.float32, "relu", False, False, 4, (8, 8), CPU)
     long = measure.Timer(lambda: None, [], 1, "eager", served)
     got, _ = clock.time({"eager": long})
     assert runs == [2] + [5] * measure.SLOW_ROUNDS and measure.SLOW_ROUNDS == 7
@@ -624,29 +624,3 @@ def test_host_cost_is_the_family_median_of_the_measured_series():
         assert all(p["host_us"] == {"eager": 12.0, "triton": 50.0} for p in e["points"]), e["points"]
     assert other["points"][0]["host_us"] == {"eager": 200.0, "triton": 300.0}
     assert member["points"][0]["host_us_measured"] == {"eager": 1000.0, "triton": 1000.0}  # the clock's reading kept
-
-
-def test_the_held_out_judge_reports_capture_runnable_scores_and_its_own_noise():
-    """Two calls: at the first inductor (which a capture never runs) is fastest, triton the fastest a
-    capture may run and eager the pick; at the second eager and PyTorch run the same ops. The summary
-    scores against every backend; the diagnostics against the capturable ones, and the A/A spread."""
-    from dispatch.calibrate import evaluate
-
-    def row(act, us, pick="eager"):
-        t = {n: {"gpu": g, "host": 10.0, "wall": g} for n, g in us.items()}
-        return {"model": "m", "op": "fused_linear", "mode": "inference", "m": 256, "features": [8, 8],
-                "activation": act, "pick": pick, "captured_pick": None, "us": t,
-                "score": evaluate.score(t, pick)}  # fmt: skip
-
-    rows = [
-        row("gelu", {"eager": 120.0, "triton": 100.0, "inductor": 80.0, "pytorch": 120.0}),
-        row("relu", {"eager": 103.0, "triton": 110.0, "pytorch": 100.0}),
-    ]
-    assert rows[0]["score"]["gpu_ratio"] == pytest.approx(1.5)
-    assert rows[0]["score"]["fastest_gpu"] == "inductor"
-    lines, ok = evaluate.summary(rows)
-    assert not ok and lines[-1][3] == "50%" and lines[-1][4] == "1.500x"
-    capture, noise = evaluate.diagnostics(rows)
-    assert capture.endswith("a capture may run: 50.0% within 5%, worst 1.200x (2 calls)")
-    assert noise.endswith("1.000-1.030x (2 calls)")
-

@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from dispatch import heuristics, select, timing
+from dispatch import cases, heuristics, select, timing
 from dispatch.calibrate import measure, ranks as ranking, refit, report
 from dispatch.calibrate.plan import (
     BASELINE, FAMILY_ORDER, MODES, NOISE, PREFERENCE, PREFERENCE_INFERENCE, Family, Plan, Series, contenders,
@@ -182,18 +182,18 @@ class Run:
 
     # --------------------------------------------------------------- measuring
 
-    def case(self, f: Family, act: str, dtype: torch.dtype, m: int, features: tuple) -> measure.Case:
-        return measure.Case(
+    def case(self, f: Family, act: str, dtype: torch.dtype, m: int, features: tuple) -> cases.Case:
+        return cases.Case(
             f.op, dtype, act, f.mode == "training", f.dropout, m, tuple(features), self.plan.device
         )
 
-    def names(self, case: measure.Case) -> list[str]:
+    def names(self, case: cases.Case) -> list[str]:
         """Every backend that would serve this call on its own (never an interpreter), and the baseline."""
         call = case.call()
         ok = [n for n, b in backends().items() if not b.not_supported_reasons(call, explicit=False)]
         return [n for n in ok if self.only is None or n in self.only] + [BASELINE]
 
-    def point(self, fam: Family, case: measure.Case, names: list[str]) -> dict:
+    def point(self, fam: Family, case: cases.Case, names: list[str]) -> dict:
         start = time.monotonic()
         dims = "x".join(map(str, (case.m, *case.features)))
         self.bar.set_description_str(f"{fam.label} {case.activation} {dims}", False)
@@ -266,7 +266,7 @@ class Run:
 
     # --------------------------------------------------------------- parity and entries
 
-    def gate(self, case: measure.Case, name: str, fam: Family, compiled: bool) -> list:
+    def gate(self, case: cases.Case, name: str, fam: Family, compiled: bool) -> list:
         """[passed, error, why] of ``name`` at ``case``, cached. A check that may compile (a backend
         other than eager at an activation or dtype it was not timed at: 7-10 s for inductor on 2 CPU
         cores) runs only while the family has time left; otherwise the backend is left out there."""
@@ -279,10 +279,10 @@ class Run:
         try:
             if self._inputs is None or self._inputs[0] != case:
                 self._inputs = None
-                self._inputs = (case, *measure.inputs(case))
-            result = measure.gate(name, case, *self._inputs[1:])
+                self._inputs = (case, *cases.inputs(case))
+            result = cases.gate(name, case, *self._inputs[1:])
         except Exception as exc:  # the reference or eager failed here (out of memory): nothing passes
-            result = [False, None, measure.failure(exc)]
+            result = [False, None, timing.describe(exc)]
         self.cost[name] += time.monotonic() - start
         self.gates[key] = result
         return result
@@ -346,7 +346,7 @@ class Run:
         planned = {(f.op, _dt(f.dtype), f.mode, f.dropout) for f in self.planned}
         settings = {
             "quick": self.plan.quick, "noise": NOISE, "preference": list(PREFERENCE),
-            "preference_inference": list(PREFERENCE_INFERENCE), "p_dropout": measure.P_DROPOUT,
+            "preference_inference": list(PREFERENCE_INFERENCE), "p_dropout": cases.P_DROPOUT,
             "rule": "cost = max(gpu_us, host_us); ties within noise go to preference (preference_inference without autograd)",
             "baseline": "pytorch: F.dropout(act(x + b), p) / act(F.linear(x, w, b))",
             "timer": ("gpu_us: triton.testing.do_bench_cudagraph (events at >= 5 ms); host_us: perf_counter behind "

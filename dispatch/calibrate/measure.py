@@ -1,8 +1,6 @@
-"""One call on one backend: inputs, the parity check against the float64 reference, and the two clocks.
-
-Shared by ``python -m dispatch.calibrate`` and ``python -m dispatch.parity``. Every run goes through the
-public ops with ``backend=name``, so what is checked and timed is what a user's call runs. The baseline
-(``plan.BASELINE``) is the composite a user writes, timed the same way.
+"""What the calibrator times and how: one timer per entry (a backend through the public ops, or the
+baseline, ``plan.BASELINE``: the composite a user writes), and the two clocks, on ``dispatch.timing``.
+The inputs and the parity check are ``dispatch.cases``'.
 
 The clocks (``Clock``), per op call, each the median of interleaved rounds (A B C, B C A, ...):
 - ``gpu_us``: the calls unrolled in a CUDA graph and replayed (``timing.gpu_ms``, triton's
@@ -26,7 +24,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -37,12 +34,9 @@ from torch import Tensor
 from dispatch import timing
 from dispatch.api import fused_bias_act_dropout, fused_linear
 from dispatch.calibrate.plan import BASELINE
-from dispatch.contracts import rng as dropout_rng
-from dispatch.contracts import tolerances
+from dispatch.cases import Case, Inputs, leaf_tensors, make_inputs
 from dispatch.contracts.activations import ACTIVATIONS
-from dispatch.contracts.backend import Call
 
-P_DROPOUT = 0.1  # the p of every dropout measurement: the cost does not depend on p
 SLOW_MS = timing.SLOW_MS  # 5 ms; on a CPU 50 ms (fused_linear 64 x 3072 x 768 takes ~5 ms on 2 cores)
 CPU_SLOW_MS = 50.0
 # Calls of SLOW_MS or more, read by events: eager against PyTorch's identical ops (OPT-13B 12288 x 20480 x
@@ -76,163 +70,6 @@ SKIP_MS = 1.0
 HOPELESS_X = 2.0
 
 
-@dataclass(frozen=True)
-class Case:
-    """One shape of one op: (M, N) for bias_act_dropout, (M, N, K) for fused_linear."""
-
-    op: str
-    dtype: torch.dtype
-    activation: str
-    training: bool  # forward + backward; inference is the forward under no_grad
-    dropout: bool
-    m: int
-    features: tuple[int, ...]
-    device: torch.device
-
-    def call(self) -> Call:
-        shape = (self.m, *self.features)
-        return Call(self.op, self.device, self.dtype, shape, self.activation, self.dropout, self.training)
-
-    @property
-    def p(self) -> float:
-        return P_DROPOUT if self.dropout else 0.0
-
-    @property
-    def seed(self) -> int:
-        return zlib.crc32(repr(self).encode())
-
-
-@dataclass
-class Inputs:
-    x: Tensor  # (M, N) or (M, K)
-    bias: Tensor  # (N,)
-    weight: Optional[Tensor]  # (N, K) for fused_linear
-    grad_y: Tensor  # (M, N)
-    seed: int  # of the dropout generator
-
-
-def make_inputs(case: Case, seed: int) -> Inputs:
-    """Fresh random inputs on the device (pre-activations ~ N(0, 1), so every activation branch is hit)."""
-    g = torch.Generator(device=case.device).manual_seed(seed)
-    dev, dt, n = case.device, case.dtype, case.features[0]
-
-    def randn(*shape: int, scale: float = 1.0) -> Tensor:
-        return (torch.randn(*shape, device=dev, generator=g) * scale).to(dt)
-
-    if case.op == "bias_act_dropout":
-        return Inputs(randn(case.m, n), randn(n, scale=0.5), None, randn(case.m, n), seed)
-    k = case.features[1]
-    weight = randn(n, k, scale=1.0 / math.sqrt(k))
-    return Inputs(randn(case.m, k), randn(n, scale=0.5), weight, randn(case.m, n), seed)
-
-
-def _generator(case: Case, seed: int) -> Optional[torch.Generator]:
-    return torch.Generator(device=case.device).manual_seed(seed + 1) if case.dropout else None
-
-
-def _leaves(case: Case, inp: Inputs, dtype: Optional[torch.dtype] = None) -> list[Tensor]:
-    ts = [inp.x, inp.weight, inp.bias] if case.op == "fused_linear" else [inp.x, inp.bias]
-    return [t.detach().to(dtype or t.dtype).requires_grad_(case.training) for t in ts]
-
-
-def run_once(name: str, case: Case, inp: Inputs) -> list[Tensor]:
-    """[y] in inference, [y, grad_x, (grad_w,) grad_bias] in training; the same dropout mask every time."""
-    leaves = _leaves(case, inp)
-    with torch.set_grad_enabled(case.training):
-        if case.op == "bias_act_dropout":
-            x, b = leaves
-            gen = _generator(case, inp.seed)
-            y = fused_bias_act_dropout(x, b, case.activation, case.p, True, generator=gen, backend=name)
-        else:
-            x, w, b = leaves
-            y = fused_linear(x, w, b, case.activation, backend=name)
-    if not case.training:
-        return [y]
-    y.backward(inp.grad_y)
-    return [y.detach(), *(t.grad for t in leaves)]
-
-
-def reference(case: Case, inp: Inputs) -> list[Tensor]:
-    """The float64 reference of run_once's outputs (the eager backend's definitions, autograd grads)."""
-    from dispatch.backends.eager import bias_act_dropout as ref_bad
-    from dispatch.backends.eager import fused_linear as ref_fl
-
-    leaves = _leaves(case, inp, torch.float64)
-    with torch.set_grad_enabled(case.training):
-        if case.op == "bias_act_dropout":
-            x, b = leaves
-            gen = _generator(case, inp.seed)
-            rng = dropout_rng.draw_for(x, gen) if gen is not None else None  # as the op draws
-            y = ref_bad.reference(x, b, case.activation, case.p, rng, upcast=True)
-        else:
-            x, w, b = leaves
-            y = ref_fl.reference(x, w, b, case.activation, upcast=True)
-    if not case.training:
-        return [y]
-    y.backward(inp.grad_y.double())
-    return [y.detach(), *(t.grad for t in leaves)]
-
-
-@dataclass(frozen=True)
-class Check:
-    errors: tuple[float, ...]  # max|out - ref| / max|ref| per output (y first, then the gradients)
-    ratios: tuple[float, ...]  # max|out - ref| / allowed per output; <= 1 passes
-    failure: str = ""  # an exception, if the backend raised
-
-    @property
-    def ok(self) -> bool:
-        return not self.failure and all(r <= 1.0 for r in self.ratios)
-
-    @property
-    def error(self) -> float:
-        return max(self.errors, default=math.inf)
-
-
-def failure(exc: BaseException) -> str:
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {first}"[:300]
-
-
-def check(name: str, case: Case, inp: Inputs, refs: list[Tensor], eager: list[Tensor]) -> Check:
-    """Runs ``name`` (after one warm-up call: JIT backends compile on their first) and compares every
-    output with the reference: err <= 2 * err(eager in this dtype) + atol + rtol * max|ref|."""
-    try:
-        if name != "eager":
-            run_once(name, case, inp)
-        outs = run_once(name, case, inp)
-    except Exception as exc:  # a broken backend is reported, never fatal
-        return Check((), (), failure(exc))
-    return compare(outs, refs, eager)
-
-
-def compare(outs: list[Tensor], refs: list[Tensor], eager: list[Tensor]) -> Check:
-    errors, ratios = [], []
-    for out, ref, eag in zip(outs, refs, eager):
-        if out is None or out.shape != ref.shape:
-            return Check(
-                (), (), f"output shape {None if out is None else tuple(out.shape)} != {tuple(ref.shape)}"
-            )
-        err = tolerances.max_error(out, ref)
-        scale = float(ref.abs().max()) if ref.numel() else 0.0
-        errors.append(err / scale if scale else err)
-        ratios.append(err / tolerances.allowed_error(ref, out.dtype, eag))
-    return Check(tuple(errors), tuple(ratios))
-
-
-def gate(name: str, case: Case, inp: Inputs, refs: list, eager: list) -> list:
-    """[passed, max relative error, why it failed] of backend ``name`` at ``case``."""
-    c = compare(eager, refs, eager) if name == "eager" else check(name, case, inp, refs, eager)
-    if c.ok:
-        return [True, float(f"{c.error:.3g}"), ""]
-    return [False, None, c.failure or f"max error {max(c.ratios):.2f}x the tolerance"]
-
-
-def inputs(case: Case) -> tuple[Inputs, list, list]:
-    """The point's inputs (seeded by the case), the float64 reference and eager's outputs."""
-    inp = make_inputs(case, case.seed)
-    return inp, reference(case, inp), run_once("eager", case, inp)
-
-
 # ----------------------------------------------------------------------------- what is timed
 
 
@@ -258,7 +95,7 @@ def _composite(case: Case) -> Callable:
 def timer(name: str, case: Case, inp: Inputs, chain: int = 1) -> Timer:
     """The op on backend ``name`` (or the baseline composite): forward, or ``chain`` forwards and one
     backward over their outputs (on a CPU always one: a call there dwarfs autograd's fixed cost)."""
-    leaves = _leaves(case, inp)
+    leaves = leaf_tensors(case, inp)
     act, p = case.activation, case.p
     if name == BASELINE:
         composite = _composite(case)
@@ -298,11 +135,6 @@ class Timed:
     drained: bool  # the host clock's queue ran dry: host_us may include waiting on the GPU
 
 
-def _reset(t: Timer) -> None:
-    for leaf in t.leaves:
-        leaf.grad = None
-
-
 class Clock:
     """Times entries on both clocks in interleaved rounds; remembers which backends cannot be captured."""
 
@@ -315,7 +147,7 @@ class Clock:
     def first(self, t: Timer) -> float:
         """Seconds of the untimed first call (a JIT backend compiles there); raises what it raises."""
         start = time.perf_counter()
-        _reset(t)
+        timing.reset_grads(t.leaves)
         t.fn()
         timing.synchronize(self.device)
         return time.perf_counter() - start
@@ -328,7 +160,7 @@ class Clock:
         timing.synchronize(self.device)
         start.record()
         for _ in range(runs):
-            _reset(t)
+            timing.reset_grads(t.leaves)
             t.fn()
         end.record()
         end.synchronize()
@@ -404,7 +236,7 @@ class Clock:
                 self.first(t)  # a chained run's first call allocates four live outputs (cudaMalloc)
                 est[name] = self.estimate_ms(t)
             except Exception as exc:
-                _settle(self.device)
+                timing.settle(self.device)
                 est.pop(name, None)
                 out[name] = exc
             spent[name] += time.monotonic() - start
@@ -423,7 +255,7 @@ class Clock:
             try:  # two runs can catch a host stall: the lower of two estimates decides
                 est[name] = min(est[name], self.estimate_ms(timers[name]))
             except Exception as exc:
-                _settle(self.device)
+                timing.settle(self.device)
                 out[name] = exc
                 del est[name]
                 continue
@@ -459,7 +291,7 @@ class Clock:
                 with torch.set_grad_enabled(timers[name].case.training):
                     got.append(self.sample(timers[name], est[name]))
             except Exception as exc:
-                _settle(self.device)
+                timing.settle(self.device)
                 out[name] = exc
             spent[name] += time.monotonic() - start
         for name, got in samples.items():
@@ -471,13 +303,6 @@ class Clock:
                     any(s.drained for s in got),
                 )
         return out, spent
-
-
-def _settle(device: torch.device) -> None:
-    try:
-        timing.synchronize(device)
-    except Exception:
-        pass
 
 
 def point(case: Case, names: list[str], clock: Clock, may_start: Callable[[str], bool]) -> tuple[dict, dict]:
@@ -497,9 +322,9 @@ def point(case: Case, names: list[str], clock: Clock, may_start: Callable[[str],
                 if r.drained:
                     pt.setdefault("drained", []).append(name)
             else:
-                pt["rejected"][name] = r if isinstance(r, str) else failure(r)
+                pt["rejected"][name] = r if isinstance(r, str) else timing.describe(r)
     except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
-        pt["skipped"] = failure(exc)
+        pt["skipped"] = timing.describe(exc)
     if case.device.type == "cuda":
         torch.cuda.empty_cache()
     return pt, spent

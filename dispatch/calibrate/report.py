@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from dispatch import heuristics, select
-from dispatch.calibrate.measure import Case
+from dispatch.cases import Case
 from dispatch.calibrate.plan import BASELINE, costs, estimated
 
 TARGETS = {"within_5pct": 0.95, "worst_regret": 0.10, "worst_vs_pytorch": 0.03}

@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from dispatch.calibrate import measure
+from dispatch import cases, timing
 from dispatch.registry import backends
 
 WARMED = ("inductor", "triton")  # the backends whose compiles land in a cache other processes read
@@ -42,7 +42,7 @@ def jobs(work: list, plan, only) -> list[list]:
             ms = grid if name == "triton" else sorted({grid[0], grid[-1]})  # inductor: dynamic M
             for act, dtype in [(s.rep, f.dtype)] + (s.members if name == "triton" else []):
                 for m in ms:
-                    case = measure.Case(
+                    case = cases.Case(
                         f.op, dtype, act, f.mode == "training", f.dropout, m, features, plan.device
                     )
                     if not b.not_supported_reasons(case.call(), explicit=False):
@@ -110,13 +110,13 @@ def _worker(path: str) -> None:
         for name, op, dtype, act, training, dropout, m, features in spec["jobs"]:
             start = time.monotonic()
             try:
-                case = measure.Case(
+                case = cases.Case(
                     op, getattr(torch, dtype), act, training, dropout, m, tuple(features), device
                 )
-                measure.run_once(name, case, measure.make_inputs(case, 0))
+                cases.run_once(name, case, cases.make_inputs(case, 0))
                 out.write(f"warmed {name} {time.monotonic() - start:.3f}\n")
             except Exception as exc:  # the measuring process meets it again and records it
-                out.write(f"failed {name} {op} {act} {m} {measure.failure(exc)}\n")
+                out.write(f"failed {name} {op} {act} {m} {timing.describe(exc)}\n")
             out.flush()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

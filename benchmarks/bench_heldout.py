@@ -1,4 +1,4 @@
-"""python -m dispatch.calibrate.evaluate: a table's picks on models outside the calibration's sizes.
+"""Held-out models: a heuristics table's picks on models outside the calibration's sizes.
 
 Each held-out call (the MLP of a model in HELD_OUT, up and down projections and the bias + activation +
 dropout between, bf16, both modes, at several token counts) is timed on every backend that can serve
@@ -14,7 +14,7 @@ is host-bound), on the other clocks the pick outside capture:
 Two lines follow the targets: the GPU score against the backends a capture may run, and the clock's noise
 (eager against PyTorch where both run PyTorch's own kernels).
 
-    python -m dispatch.calibrate.evaluate --table heuristics/tables/nvidia-h200.json --budget 120
+    python benchmarks/bench_heldout.py --table heuristics/tables/nvidia-h200.json --budget 120
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ import sys
 import time
 from typing import Optional, Sequence
 
+import common  # noqa: F401  (puts the repository on sys.path when run as a script)
 import torch
 from tabulate import tabulate
 
 from dispatch import heuristics, select, timing
 from dispatch.calibrate import measure
 from dispatch.calibrate.plan import BASELINE, compiling
+from dispatch.cases import Case, make_inputs
 from dispatch.contracts.activations import ACTIVATIONS
 from dispatch.registry import backends
 
@@ -52,7 +54,7 @@ WALL_WINDOW_MS = 5.0
 
 def cases(
     device: torch.device, dtype: torch.dtype, tokens: Sequence[int], models: Sequence[str]
-) -> list[tuple[str, measure.Case]]:
+) -> list[tuple[str, Case]]:
     """(model, case), largest M first and the models interleaved, so a budget cuts evenly."""
     out = []
     for m in tokens:
@@ -64,14 +66,14 @@ def cases(
                     ("bias_act_dropout", act, (mlp,), training),
                     ("fused_linear", "identity", (hidden, mlp), False),
                 ):
-                    out.append((model, measure.Case(op, dtype, a, training, drop, m, features, device)))
+                    out.append((model, Case(op, dtype, a, training, drop, m, features, device)))
     return out
 
 
-def time_case(case: measure.Case, clock: measure.Clock, rounds: int) -> dict[str, dict[str, float]]:
+def time_case(case: Case, clock: measure.Clock, rounds: int) -> dict[str, dict[str, float]]:
     """{entry: {"gpu", "host", "wall"}} in us per call, medians over interleaved rounds."""
     names = [n for n, b in backends().items() if not b.not_supported_reasons(case.call(), explicit=False)]
-    inp = measure.make_inputs(case, case.seed)
+    inp = make_inputs(case, case.seed)
     out: dict[str, dict[str, list[float]]] = {}
     with torch.set_grad_enabled(case.training):
         timers = {n: measure.timer(n, case, inp) for n in names + [BASELINE]}
@@ -166,9 +168,7 @@ def summary(rows: list[dict]) -> tuple[list[list], bool]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m dispatch.calibrate.evaluate", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="benchmarks/bench_heldout.py", description=__doc__.split("\n")[0])
     p.add_argument("--table", required=True, help="the heuristics table to score")
     p.add_argument("--budget", type=float, default=120.0, help="seconds of timing; the cases left are listed")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
