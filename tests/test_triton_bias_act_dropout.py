@@ -400,3 +400,28 @@ def test_rows_kernel_bit_identical_to_the_tile_kernel(shape, activation, host, d
     assert not triton_op._rows_kernel_fits(x.float(), bias.float(), rng, *shape)  # 32-bit elements
     monkeypatch.setattr(triton_op, "ROWS_KERNEL_DTYPES", (torch.bfloat16,))  # a dtype can be left out
     assert triton_op._rows_kernel_fits(x, bias, rng, *shape) == (dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("activation", ACTIVATION_NAMES)
+def test_flat_kernel_bit_identical_to_the_tile_kernel(activation, dtype, device, monkeypatch):
+    """Contiguous 16-bit x without dropout past decode sizes takes the flat kernel (1-D, int32
+    offsets, the bias gathered by column); its y equals the tile kernel's bit for bit, with and
+    without bias, on a shape whose last program is partly masked, and matches the reference."""
+    shape = (130, 40)  # 5200 elements: two full 2048-element programs and a masked one
+    x, bias, _ = _inputs(shape, dtype, device)
+    x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    for b in (bias, None):
+        assert triton_op._flat_kernel_fits(x, None, *shape)
+        y = triton_op.forward(x, b, activation, 0.0, None)
+        with monkeypatch.context() as patched:
+            patched.setattr(triton_op, "_flat_kernel_fits", lambda *args: False)
+            tiled = triton_op.forward(x, b, activation, 0.0, None)
+        assert torch.equal(y.view(torch.int16), tiled.view(torch.int16))
+    assert_matches(x[1:], bias, activation, 0.0, 0, torch.randn_like(x[1:]))
+    assert not triton_op._flat_kernel_fits(x, _rng(device), *shape)  # dropout: the rows kernel
+    assert not triton_op._flat_kernel_fits(x.t(), None, 40, 130)  # strided
+    assert not triton_op._flat_kernel_fits(x.float(), None, *shape)  # 32-bit elements
+    assert not triton_op._flat_kernel_fits(x[:64], None, 64, 40)  # decode: one tile
+    assert not triton_op._flat_kernel_fits(x, None, 2**26, 2**5)  # offsets past int32
+

@@ -21,7 +21,8 @@ Launch settings come from a rule, not an autotuner, so a new token count never t
 BLOCK_N a power of two <= 1024 that wastes at most 1/16 of a row on padding, BLOCK_M the rest of a
 fixed tile; decode shapes (M <= 64) take every row in one tile: one launch forward, one backward.
 Compiled variants are keyed by these buckets only (M is not specialized). 16-bit inputs with dropout
-past decode sizes take ``_forward_rows_kernel``, bit for bit the tile kernel's y in fewer instructions.
+past decode sizes take ``_forward_rows_kernel``, bit for bit the tile kernel's y in fewer instructions;
+contiguous 16-bit inputs without dropout ``_forward_flat_kernel``, bit for bit too.
 """
 
 from __future__ import annotations
@@ -269,6 +270,27 @@ def _forward_rows_kernel(
             tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=(out_cols < N) & ((out_cols * 0 + row) < M))
 
 
+@triton.jit(do_not_specialize=["numel"])
+def _forward_flat_kernel(
+    X,  # input, (M, N) contiguous, 16-bit
+    B,  # bias, (N,); unused without HAS_BIAS
+    Y,  # output, (M, N) contiguous
+    numel,  # M * N < 2**31: int32 offsets
+    N,  # columns
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,  # elements a program
+):
+    """The 16-bit forward without dropout over the flat (M * N,) view, the bias gathered by column:
+    32-bit offsets and 1-D loads, as inductor generates it; the same float32 math as _forward_kernel."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # N values, read by every row: kept in L2
+        z += tl.load(B + offs % N, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    tl.store(Y + offs, apply(z, ACTIVATION).to(Y.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------- launch settings
 
 # Forward: 4 x 1024 bf16 tiles (32 elements a thread, 4 warps) ran bias+gelu at 1.03x a copy's time on
@@ -297,6 +319,13 @@ ROWS_KERNEL_ROWS, ROWS_KERNEL_MAX_N, ROWS_KERNEL_PER_THREAD = 8, 2048, 16
 # y bit for bit the tile's (H200, benchmarks/PERF.md)
 ROWS_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 DECODE_ROWS = 64  # M up to this: one tile holds every row (one launch forward, one backward)
+# 16-bit forward without dropout, contiguous x past decode sizes: the flat kernel, 2048 elements and 4
+# warps a program. Time / a copy's (H200 2026-12-03, bf16, benchmarks/PERF.md), flat vs tile: relu
+# 1.007 vs 1.064 at 12288 x 20480, 1.001 vs 1.055 at 16384 x 14336, 254.6 vs 263.0 us at 65536 x 4096;
+# gelu 1.044 vs 1.063, 1.026 vs 1.035 at 8192 x 3072, 261.7 vs 261.4 us at 65536 x 4096. 1024-element
+# programs ran relu 1% faster and gelu 7-15% slower.
+FLAT_BLOCK, FLAT_WARPS = 2048, 4
+FLAT_DTYPES = (torch.bfloat16, torch.float16)
 DECODE_TILE = 4096
 # Backward row-programs loop over rows summing the bias gradient: at most MAX_ROWS_PER_PROGRAM rows
 # (float32 partials <= 1/16 byte an element, ~1% of bf16 backward traffic), fewer while the grid would
@@ -380,6 +409,7 @@ def _wide(n: int, *col_strides: int) -> bool:
 
 _FORWARD = Launcher(_forward_kernel, tensors=4)
 _FORWARD_ROWS = Launcher(_forward_rows_kernel, tensors=4)
+_FORWARD_FLAT = Launcher(_forward_flat_kernel, tensors=3)
 _BACKWARD = Launcher(_backward_kernel, tensors=6)
 _BIAS_GRAD = Launcher(_bias_grad_kernel, tensors=2)
 
@@ -432,6 +462,18 @@ def _rows_kernel_fits(x: Tensor, bias: Optional[Tensor], rng: Optional[Rng], m: 
     )
 
 
+def _flat_kernel_fits(x: Tensor, rng: Optional[Rng], m: int, n: int) -> bool:
+    """16-bit without dropout past decode sizes, x contiguous, every offset (up to M * N rounded up to
+    FLAT_BLOCK) an int32."""
+    return (
+        rng is None
+        and x.dtype in FLAT_DTYPES
+        and m > DECODE_ROWS
+        and m * n <= _INT32_LIMIT - FLAT_BLOCK
+        and x.is_contiguous()
+    )
+
+
 def forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng]) -> Tensor:
     """y = dropout(act(x + bias)) in one pass; x (M, N) with any strides, y contiguous in x's dtype."""
     _check(x, bias)
@@ -443,6 +485,14 @@ def _forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: 
     m, n = x.shape
     y = x.new_empty((m, n))  # contiguous; new_empty builds no torch.device
     if m == 0 or n == 0:
+        return y
+    if _flat_kernel_fits(x, rng, m, n):
+        _FORWARD_FLAT(
+            (_cdiv(m * n, FLAT_BLOCK),),
+            (x, x if bias is None else bias, y, m * n, n),
+            dict(ACTIVATION=activation, HAS_BIAS=bias is not None, BLOCK=FLAT_BLOCK),
+            num_warps=FLAT_WARPS,
+        )
         return y
     (rng_t, s0, s1, o0, o1, threshold, scale), on_device = _dropout_args(x, p, rng)
     if _rows_kernel_fits(x, bias, rng, m, n):
