@@ -408,7 +408,7 @@ def test_flat_kernel_bit_identical_to_the_tile_kernel(activation, dtype, device,
     """Contiguous 16-bit x without dropout past decode sizes takes the flat kernel (1-D, int32
     offsets, the bias gathered by column); its y equals the tile kernel's bit for bit, with and
     without bias, on a shape whose last program is partly masked, and matches the reference."""
-    shape = (130, 40)  # 5200 elements: two full 2048-element programs and a masked one
+    shape = (130, 48)  # 6240 elements: three full 2048-element programs and a masked one
     x, bias, _ = _inputs(shape, dtype, device)
     x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
     for b in (bias, None):
@@ -420,8 +420,11 @@ def test_flat_kernel_bit_identical_to_the_tile_kernel(activation, dtype, device,
         assert torch.equal(y.view(torch.int16), tiled.view(torch.int16))
     assert_matches(x[1:], bias, activation, 0.0, 0, torch.randn_like(x[1:]))
     assert not triton_op._flat_kernel_fits(x, _rng(device), *shape)  # dropout: the rows kernel
-    assert not triton_op._flat_kernel_fits(x.t(), None, 40, 130)  # strided
+    assert not triton_op._flat_kernel_fits(x.t(), None, 48, 130)  # strided
     assert not triton_op._flat_kernel_fits(x.float(), None, *shape)  # 32-bit elements
-    assert not triton_op._flat_kernel_fits(x[:64], None, 64, 40)  # decode: one tile
+    assert not triton_op._flat_kernel_fits(x[:64], None, 64, 48)  # decode: one tile
+    assert not triton_op._flat_kernel_fits(x[:, :40].contiguous(), None, 130, 40)  # rows of 2.5 groups
+    off = x.new_empty(130 * 48 + 4)[4:].view(130, 48)  # 8-byte aligned
+    assert off.is_contiguous() and not triton_op._flat_kernel_fits(off, None, *shape)
     assert not triton_op._flat_kernel_fits(x, None, 2**26, 2**5)  # offsets past int32
 

@@ -270,13 +270,16 @@ def _forward_rows_kernel(
             tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=(out_cols < N) & ((out_cols * 0 + row) < M))
 
 
-@triton.jit(do_not_specialize=["numel"])
+@triton.jit
 def _forward_flat_kernel(
-    X,  # input, (M, N) contiguous, 16-bit
+    X,  # input, (M, N) contiguous, 16-bit, 16-byte aligned
     B,  # bias, (N,); unused without HAS_BIAS
     Y,  # output, (M, N) contiguous
-    numel,  # M * N < 2**31: int32 offsets
-    N,  # columns
+    # M * N < 2**31 - BLOCK: int32 offsets. Specialized (% 16 == 0, as N is): the mask is then uniform
+    # over 8-element vectors; unspecialized, the loads went scalar, 3.5x slower (828 vs 238 us at
+    # 12288 x 20480 relu, H200)
+    numel,
+    N,  # columns, a multiple of 16
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,  # elements a program
@@ -463,13 +466,16 @@ def _rows_kernel_fits(x: Tensor, bias: Optional[Tensor], rng: Optional[Rng], m: 
 
 
 def _flat_kernel_fits(x: Tensor, rng: Optional[Rng], m: int, n: int) -> bool:
-    """16-bit without dropout past decode sizes, x contiguous, every offset (up to M * N rounded up to
-    FLAT_BLOCK) an int32."""
+    """16-bit without dropout past decode sizes, x contiguous and 16-byte aligned with rows of whole
+    16-element groups (so 8-element vectors never straddle the mask), every offset (up to M * N rounded
+    up to FLAT_BLOCK) an int32."""
     return (
         rng is None
         and x.dtype in FLAT_DTYPES
         and m > DECODE_ROWS
+        and n % 16 == 0
         and m * n <= _INT32_LIMIT - FLAT_BLOCK
+        and x.data_ptr() % 16 == 0
         and x.is_contiguous()
     )
 
