@@ -407,9 +407,12 @@ def test_rows_kernel_bit_identical_to_the_tile_kernel(shape, activation, host, d
 def test_flat_kernel_bit_identical_to_the_tile_kernel(activation, dtype, device, monkeypatch):
     """Contiguous 16-bit x without dropout past decode sizes takes the flat kernel (1-D, int32
     offsets, the bias gathered by column); its y equals the tile kernel's bit for bit, with and
-    without bias, on a shape whose last program is partly masked, and matches the reference."""
+    without bias, on a shape whose last program is partly masked, and matches the reference (real
+    shapes take it past 2**24 elements)."""
     shape = (130, 48)  # 6240 elements: three full 2048-element programs and a masked one
     x, bias, _ = _inputs(shape, dtype, device)
+    assert not triton_op._flat_kernel_fits(x, None, *shape)  # up to 2**24 elements the tile kernel wins
+    monkeypatch.setattr(triton_op, "FLAT_MIN_ELEMENTS", 0)  # the flat kernel itself, on a small shape
     x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
     for b in (bias, None):
         assert triton_op._flat_kernel_fits(x, None, *shape)

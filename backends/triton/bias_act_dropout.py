@@ -326,8 +326,11 @@ DECODE_ROWS = 64  # M up to this: one tile holds every row (one launch forward, 
 # warps a program. Time / a copy's (H200 2026-12-03, bf16, benchmarks/PERF.md), flat vs tile: relu
 # 1.007 vs 1.064 at 12288 x 20480, 1.001 vs 1.055 at 16384 x 14336, 254.6 vs 263.0 us at 65536 x 4096;
 # gelu 1.044 vs 1.063, 1.026 vs 1.035 at 8192 x 3072, 261.7 vs 261.4 us at 65536 x 4096. 1024-element
-# programs ran relu 1% faster and gelu 7-15% slower.
+# programs ran relu 1% faster and gelu 7-15% slower. Up to 2**24 elements the tile kernel is as fast or
+# faster (gelu 9.7 vs 10.8 us at 2048 x 5120, 18.0 vs 18.3 at 4096 x 4096, 6.8 vs 7.6 at 512 x 14336;
+# relu equal); past it the flat one wins (12288 x 1536 gelu: 20.6 vs 21.2).
 FLAT_BLOCK, FLAT_WARPS = 2048, 4
+FLAT_MIN_ELEMENTS = 2**24  # M * N above this
 FLAT_DTYPES = (torch.bfloat16, torch.float16)
 DECODE_TILE = 4096
 # Backward row-programs loop over rows summing the bias gradient: at most MAX_ROWS_PER_PROGRAM rows
@@ -466,15 +469,15 @@ def _rows_kernel_fits(x: Tensor, bias: Optional[Tensor], rng: Optional[Rng], m: 
 
 
 def _flat_kernel_fits(x: Tensor, rng: Optional[Rng], m: int, n: int) -> bool:
-    """16-bit without dropout past decode sizes, x contiguous and 16-byte aligned with rows of whole
-    16-element groups (so 8-element vectors never straddle the mask), every offset (up to M * N rounded
-    up to FLAT_BLOCK) an int32."""
+    """16-bit without dropout, more than FLAT_MIN_ELEMENTS (past decode sizes), x contiguous and
+    16-byte aligned with rows of whole 16-element groups (so 8-element vectors never straddle the
+    mask), every offset (up to M * N rounded up to FLAT_BLOCK) an int32."""
     return (
         rng is None
         and x.dtype in FLAT_DTYPES
         and m > DECODE_ROWS
         and n % 16 == 0
-        and m * n <= _INT32_LIMIT - FLAT_BLOCK
+        and FLAT_MIN_ELEMENTS < m * n <= _INT32_LIMIT - FLAT_BLOCK
         and x.data_ptr() % 16 == 0
         and x.is_contiguous()
     )
