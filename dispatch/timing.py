@@ -7,8 +7,8 @@ Clocks (each a median, in milliseconds per op call):
 - ``wall_ms``: ``triton.testing.do_bench`` on CUDA, each call between two events after an L2 flush: the
   flush (a ~0.1 ms memset) gives the host that much slack, so host time shows only past it. On the CPU
   (no GPU clock) ``cpu_ms``: ``time.perf_counter`` around each call.
-- ``per_call_ms``: the calibrator's clock, the larger of do_bench's and a stream of back-to-back calls
-  (``stream_ms``): what a model sees when the host is the slower side.
+- ``host_ms``: the host's time per call, queued behind a ``torch.cuda._sleep`` kernel so it never
+  waits on the GPU; ``back_to_back_ms``: calls back to back, synchronized once (what an eager model sees).
 
 Rounds: the entries of a comparison are timed in rounds, their order rotated each round (A B C, B C A,
 C A B), median per entry, spread kept (``Timing``). The H200 boosts with temperature and power, so the
@@ -26,13 +26,12 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 ROUNDS = 3  # interleaved rounds per comparison
-LONG_MS = 0.5  # per_call_ms: calls at least this long are timed back to back only
 # Calls at least this long get one round: noise is small next to them, and eager's dropout (the RNG
 # spec in int64 tensor ops) takes up to 95 ms a call at 65536 x 4096.
 SLOW_MS = 5.0
@@ -154,22 +153,6 @@ def back_to_back_ms(fn: Fn, grad_to_none: Sequence[Tensor], runs: int, device: t
     return (time.perf_counter() - start) * 1e3 / runs
 
 
-def stream_ms(
-    fn: Fn, grad_to_none: Sequence[Tensor], budget_ms: float, device: torch.device, calls: int = 1
-) -> float:
-    """Wall milliseconds per op call of ``fn`` (``calls`` op calls per run) run back to back: the larger
-    of the host's time per call and the device's (the latter with a warm L2 for small inputs). About
-    three op calls first (at least one run); a call of ``LONG_MS`` or more returns that (a chained run
-    then costs about what three single calls did), a shorter one is timed again over as many runs as
-    fill ``budget_ms`` by the first estimate (3 to 200), so the launch and synchronization latency fades."""
-    runs = max(1, 3 // calls)
-    first = back_to_back_ms(fn, grad_to_none, runs, device) / calls
-    if first >= LONG_MS:
-        return first
-    runs = min(200, max(3, int(budget_ms / max(first * calls, 1e-3))))
-    return back_to_back_ms(fn, grad_to_none, runs, device) / calls
-
-
 def sleep_cycles_per_ms(device: torch.device) -> float:
     """GPU clock cycles of ``torch.cuda._sleep`` per millisecond on ``device`` (one 10M-cycle sleep timed
     by events), for sizing a sleep in time."""
@@ -218,45 +201,6 @@ def host_ms(
     return seconds * 1e3 / runs, drained
 
 
-def per_call_ms(
-    fn: Fn,
-    grad_to_none: Sequence[Tensor],
-    device: torch.device,
-    quick: bool,
-    training: bool,
-    share: float = 1.0,
-    warm: bool = True,
-    calls: int = 1,
-) -> float:
-    """The calibrator's clock: milliseconds per op call of ``fn`` (which makes ``calls`` of them) over
-    ``share`` of the usual time, after one untimed run if ``warm`` (on CUDA; a JIT backend's first call
-    at a shape may compile).
-
-    On CUDA: ``stream_ms``, what a model sees whenever the host is the slower side; for calls shorter
-    than ``LONG_MS``, the larger of that and do_bench's median. do_bench alone flattered host-heavy
-    backends: its L2 flush before every call gives the host ~0.1 ms of slack it has nowhere else, and
-    a table timed that way sent GPT-2's c_fc to nvfuser's AOTAutograd wrappers (patched 1.11x eager;
-    every op on triton 1.185x). Longer calls skip do_bench: its five estimate calls plus warm-up and
-    repeats were most of a calibration's time, and an L2's worth of reuse is within noise of them.
-    On CPU: ``cpu_ms`` over 0.1 s (quick) or 0.3 s, times ``share``."""
-    with torch.set_grad_enabled(training):
-        if device.type != "cuda":
-            return cpu_ms(fn, (100.0 if quick else 300.0) * share, grad_to_none, calls)
-        if warm:
-            reset_grads(grad_to_none)
-            fn()
-        import triton.testing
-
-        warmup, rep, stream = (3, 7, 3) if quick else (5, 10, 5)
-        wall = stream_ms(fn, grad_to_none, stream * share, device, calls)
-        if wall >= LONG_MS:
-            return wall
-        ms = triton.testing.do_bench(
-            fn, warmup=warmup * share, rep=rep * share, grad_to_none=list(grad_to_none), return_mode="median"
-        )
-        return max(float(ms) / calls, wall)
-
-
 def paired_diffs_ms(a: Fn, b: Fn, pairs: int) -> list[float]:
     """Per-call differences a - b (ms), each pair timed call by call with the two calls adjacent and
     their order swapped every pair, so both run in the same state of the host (after the same kind of
@@ -285,31 +229,6 @@ def rotations(names: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             yield r, name
-
-
-def interleave(
-    measures: Mapping[str, Callable[[int], float]], rounds: int = ROUNDS, slow_ms: Optional[float] = SLOW_MS
-) -> tuple[dict[str, Union[Timing, Exception]], dict[str, float]]:
-    """Each entry's ``measure(round)`` (ms) over ``rounds`` interleaved rounds. An entry whose first
-    round took ``slow_ms`` or more is not timed again; one whose measure raised gets its exception.
-    Also returns the seconds spent on each. (The calibrator's ``time_all``: measure = per_call_ms
-    with share 1 / ROUNDS and warm on round 0.)"""
-    samples: dict[str, list[float]] = {name: [] for name in measures}
-    failed: dict[str, Exception] = {}
-    spent = dict.fromkeys(measures, 0.0)
-    for r, name in rotations(list(measures), rounds):
-        got = samples[name]
-        if name in failed or (slow_ms is not None and got and got[0] >= slow_ms):
-            continue
-        start = time.monotonic()
-        try:
-            got.append(measures[name](r))
-        except Exception as exc:  # one broken entry must not stop the others
-            failed[name] = exc
-        spent[name] += time.monotonic() - start
-    out: dict[str, Union[Timing, Exception]] = {name: Timing(tuple(s)) for name, s in samples.items() if s}
-    out.update(failed)
-    return out, spent
 
 
 @dataclass
