@@ -22,7 +22,13 @@ import torch
 
 from dispatch.contracts import shapes
 
-NOISE = 0.03  # backends within 3% of the cheapest are tied: the preferred one wins
+# Backends within 5% of the cheapest are tied: the preferred one wins. 5% is the clock's own spread:
+# eager and plain PyTorch, running the same kernels, read 0.949-1.035x and 0.978-1.045x of each other in
+# held-out runs (H200, 2026-12-03). Refitting the 12-03 and 12-02 calibrations at 5% instead of 3% took
+# their agreement from 94.1% to 95.7% of 4554 choice cells, left both self-checks and all 90 held-out
+# picks as they were, and moved 88 of 7164 point decisions to the preferred backend, at a median 3.6%
+# (max 4.9%) more cost there.
+NOISE = 0.05
 # ties go to the reference first, then to the backends that compile least
 PREFERENCE = ("eager", "cublaslt", "triton", "inductor", "nvfuser")
 # Without autograd cuBLASLt's epilogue runs the activation in the GEMM: one M x N pass less than eager's
@@ -275,7 +281,7 @@ def pool_host(entries: list[dict]) -> None:
     samples over the measured series of one op, mode and dropout, whatever their dtype, activation and
     size (the host runs the same checks, launches and autograd for all of them). Series medians still
     moved 15% (median) to 1.8x (p90) against each other between two full H200 runs, and 9% of the choice
-    cells with them; family medians leave 3.9% (refit-2026-12-02.log). GPU clocks only, as smooth_host."""
+    cells with them; family medians leave 3.9% (refit-2026-12-03.log). GPU clocks only, as smooth_host."""
     family = lambda e: (e["op"], e["mode"], e["dropout"])  # noqa: E731
     samples: dict[tuple, list[dict]] = {}
     for e in entries:

@@ -22,7 +22,9 @@ from typing import Optional, Sequence
 
 from dispatch import heuristics
 from dispatch.calibrate import report
-from dispatch.calibrate.plan import BASELINE, PREFERENCE, PREFERENCE_INFERENCE, fit, pool_host, preference
+from dispatch.calibrate.plan import (
+    BASELINE, NOISE, PREFERENCE, PREFERENCE_INFERENCE, fit, pool_host, preference,
+)  # fmt: skip
 
 RULE_GPU = "host cost = the family's median (plan.pool_host); segments by plan.fit"
 
@@ -47,7 +49,9 @@ def refit(doc: dict) -> dict:
     """``doc`` (a schema-2 calibration with raw points) with its segments and self-check refitted."""
     gpu = doc["device"].get("type") == "cuda"
     refit_entries(doc["entries"], gpu)
-    doc["settings"].update(preference=list(PREFERENCE), preference_inference=list(PREFERENCE_INFERENCE))
+    doc["settings"].update(
+        noise=NOISE, preference=list(PREFERENCE), preference_inference=list(PREFERENCE_INFERENCE)
+    )
     doc["settings"]["refit"] = {"date": datetime.date.today().isoformat(), "rule": RULE_GPU if gpu else "plan.fit"}
     doc["self_check"] = report.self_check(doc)
     return doc
