@@ -461,17 +461,17 @@ def _us(x: float) -> str:
 def _clocks(seg: Segment) -> list[str]:
     """explain()'s words for a schema 2 segment: which clock decided, the speedup over plain PyTorch."""
     notes = []
+    at = f" at M={seg.m}" if seg.m else ""
     if seg.gpu_us is not None and seg.host_us is not None:
-        at = f" at M={seg.m}" if seg.m else ""
         if seg.gpu_us == seg.host_us:  # a CPU table: one clock
             notes.append(f"wall time {_us(seg.gpu_us)}{at} (no separate GPU clock)")
         elif seg.clock == "host":
             notes.append(f"host-bound: host cost {_us(seg.host_us)} exceeds GPU time {_us(seg.gpu_us)}{at}")
         else:
             notes.append(f"GPU-bound: GPU time {_us(seg.gpu_us)} > host {_us(seg.host_us)}{at}")
-    if seg.speedup:
-        base = f" (its {_us(max(seg.pytorch_us))})" if seg.pytorch_us else ""
-        notes.append(f"{seg.speedup:.2f}x plain PyTorch{base}")
+    if seg.speedup:  # the smallest over the segment's points, which need not be the point of the clocks
+        base = f"; PyTorch {_us(max(seg.pytorch_us))}{at}" if seg.pytorch_us else ""
+        notes.append(f"at worst {seg.speedup:.2f}x plain PyTorch over the segment{base}")
     if seg.gpu_backend and seg.gpu_backend != seg.backend:
         notes.append(f"by GPU time alone {seg.gpu_backend} (as in a CUDA graph)")
     return notes

@@ -299,7 +299,7 @@ def test_explain_names_the_clock_and_the_speedup_over_pytorch(dirs, monkeypatch)
     assert "runs on: fake" in text and "the cheapest by max(GPU time, host cost)" in text, text
     assert (
         "GPU-bound: GPU time 120 us > host 40 us at M=32" in text
-        and "1.20x plain PyTorch (its 140 us)" in text
+        and "at worst 1.20x plain PyTorch over the segment; PyTorch 140 us at M=32" in text
     )
     text = str(explain("fused_bias_act_dropout", x[:8], b, "gelu", 0.1))
     assert (
