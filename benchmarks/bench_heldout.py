@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ import torch
 from tabulate import tabulate
 
 from dispatch import heuristics, select, timing
-from dispatch.calibrate import measure
+from dispatch.calibrate import measure, warm
 from dispatch.calibrate.plan import BASELINE, compiling
 from dispatch.cases import Case, make_inputs
 from dispatch.contracts.activations import ACTIVATIONS
@@ -190,14 +189,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     clock, start, rows = measure.Clock(device, args.rounds, False), time.monotonic(), []
     todo = cases(device, getattr(torch, args.dtype), sorted(args.tokens, reverse=True), args.models)
-    workers = (
-        args.workers
-        if args.workers is not None
-        else (min(12, max((os.cpu_count() or 1) - 2, 0)) if device.type == "cuda" else 0)
-    )
+    workers = warm.workers(args.workers, device)
     if workers:  # new feature sizes: inductor and Triton compile each, in parallel and ahead
-        from dispatch.calibrate import warm
-
         jobs = [[n, c.op, str(c.dtype)[6:], c.activation, c.training, c.dropout, c.m, list(c.features)]
                 for _, c in todo for n in warm.WARMED if n in backends()
                 and not backends()[n].not_supported_reasons(c.call(), explicit=False)]  # fmt: skip

@@ -23,6 +23,7 @@ from dispatch.contracts.backend import Call
 
 P_DROPOUT = 0.1  # the p of every dropout case: a cost does not depend on p, and 0.1 is the common one
 
+
 @dataclass(frozen=True)
 class Case:
     """One shape of one op: (M, N) for bias_act_dropout, (M, N, K) for fused_linear."""

@@ -449,12 +449,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             work = [(s_, f_) for s_, f_ in work if (id(s_), f_) in mine]
         bar.reset(total=sum(run.weight[f] for f in families if run.queue[f]))
         warmed = None
-        workers = (
-            args.workers if args.workers is not None else min(12, max((os.cpu_count() or 1) - 2, 0)) * cuda
-        )
-        if workers and work:
-            from dispatch.calibrate import warm
+        from dispatch.calibrate import warm
 
+        workers = warm.workers(args.workers, device)
+        if workers and work:
             bar.set_description_str(f"compiling ahead in {workers} processes", False)
             warmed = warm.warm(warm.jobs(work, plan, run.only), workers, plan.budget_s / 4, device)
         labels = sorted({f"{f.op} {_dt(f.dtype)} {f.mode}" for f in families})

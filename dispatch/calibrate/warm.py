@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from typing import Optional
 
 import torch
 
@@ -27,6 +28,14 @@ from dispatch import cases, timing
 from dispatch.registry import backends
 
 WARMED = ("inductor", "triton")  # the backends whose compiles land in a cache other processes read
+
+
+def workers(asked: Optional[int], device: torch.device) -> int:
+    """``asked`` if given (--workers), else on a GPU the CPU cores less 2 (the measuring process and
+    the host's own work), at most 12; none on a CPU, whose cores the measurements need."""
+    if asked is not None:
+        return asked
+    return min(12, max((os.cpu_count() or 1) - 2, 0)) if device.type == "cuda" else 0
 
 
 def jobs(work: list, plan, only) -> list[list]:
