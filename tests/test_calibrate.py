@@ -11,7 +11,7 @@ from dispatch import heuristics
 from dispatch import calibrate, cases, explain, select
 from dispatch import table as table_cli
 from dispatch.calibrate import __main__ as cli
-from dispatch.calibrate import measure, plan
+from dispatch.calibrate import measure, plan, report
 from dispatch.registry import Call
 from harness import eager_twin, register
 
@@ -179,8 +179,8 @@ def test_bisection_finds_the_crossover_and_both_clocks_are_recorded(user_dir, cl
 
 
 def test_a_series_host_cost_is_its_median_and_one_host_sample_drops_no_backend():
-    """On a GPU each backend's host cost over a series is the median of its samples (GPU time stays per
-    point; an estimated or drained entry keeps its reading); a backend dearer than the cheapest by a
+    """Each backend's host cost over a series is the median of its samples (an estimated or drained
+    entry's reading is no sample); a backend dearer than the cheapest by a
     host sample alone is not hopeless, one dearer on GPU time too is."""
     pts = [
         {"m": 1, "gpu_us": {"a": 2.0, "b": 3.0}, "host_us": {"a": 10.0, "b": 12.0}},
@@ -188,10 +188,7 @@ def test_a_series_host_cost_is_its_median_and_one_host_sample_drops_no_backend()
          "gpu_clock": {"b": "estimate"}},
         {"m": 256, "gpu_us": {"a": 5.0, "b": 4.0}, "host_us": {"a": 11.0, "b": 50.0}, "drained": ["b"]},
     ]  # fmt: skip
-    plan.smooth_host(pts)
-    assert [p["host_us"]["a"] for p in pts] == [11.0, 11.0, 11.0]
-    assert [p["host_us"]["b"] for p in pts] == [12.0, 900.0, 50.0]
-    assert [p["host_us_measured"]["a"] for p in pts] == [10.0, 31.0, 11.0]
+    assert plan.series_host(pts) == {"a": 11.0, "b": 12.0}  # b's estimate and drained queue left out
     first = {"m": 4096, "gpu_us": {"eager": 100.0, "t": 101.0, "slow": 300.0, plan.BASELINE: 100.0},
              "host_us": {"eager": 20.0, "t": 400.0, "slow": 30.0, plan.BASELINE: 20.0}}  # fmt: skip
     assert plan.contenders(["eager", "t", "slow", plan.BASELINE], {4096: first}) == ["eager", "t", plan.BASELINE]
@@ -219,20 +216,18 @@ def test_a_series_host_cost_is_its_median_and_one_host_sample_drops_no_backend()
 
 
 def test_refit_fits_the_raw_points_again(user_dir, clocks, capsys):
-    """python -m dispatch.calibrate.refit: the same segments from the same points by the same rule (a CPU
+    """python -m dispatch.calibrate --refit: the same segments from the same points by the same rule (a CPU
     document: no host smoothing), the refit noted, the slim table written; a slim table is refused."""
-    from dispatch.calibrate import refit
-
     out, slim = user_dir / "t.json", user_dir / "slim" / "t.json"
     assert calibrate.main(args(out, "--budget", "600", acts=("gelu",), features=("32",),
                                ops=("bias_act_dropout",), backends=("flat", "slow"))) == 0  # fmt: skip
     before = json.loads(out.read_text())
-    assert refit.main([str(out), "--slim-out", str(slim)]) == 0
+    assert calibrate.main(["--refit", str(out), "--slim-out", str(slim)]) == 0
     after = json.loads(out.read_text())
     assert [e["segments"] for e in after["entries"]] == [e["segments"] for e in before["entries"]]
     assert after["settings"]["refit"]["rule"] == "plan.fit" and "self-check" in capsys.readouterr().out
     with pytest.raises(ValueError, match="slim"):
-        refit.refit(json.loads(slim.read_text()))
+        report.refit(json.loads(slim.read_text()))
 
 
 def test_host_cost_decides_where_it_exceeds_gpu_time_and_explain_says_so(user_dir, clocks):
@@ -361,11 +356,11 @@ def test_a_dtype_can_share_another_dtypes_timings(user_dir, clocks, monkeypatch)
 # ----------------------------------------------------------------------------- budget and resume
 
 
-def test_budget_is_allotted_per_family_and_resume_continues(user_dir, clocks):
+def test_budget_is_shared_by_the_families_and_resume_continues(user_dir, clocks):
     """flat's first call at each size sleeps 0.7 s in the training families (a compile), the first of
     them first in line: they cannot measure every series in a 7 s budget, but every family is measured
-    (the one furthest behind its share goes next), the fast ones whole, and a --resume measures what
-    was left, keeping the rest as it was."""
+    (the one that has spent least per planned series goes next), the fast ones whole, and a --resume
+    measures what was left, keeping the rest as it was."""
     _, _, delay = clocks
     delay[("flat", True, True)] = delay[("flat", True, False)] = 0.7
     out = user_dir / "t.json"
@@ -377,7 +372,6 @@ def test_budget_is_allotted_per_family_and_resume_continues(user_dir, clocks):
     measured = {(e["mode"], e["dropout"]) for e in data["entries"]}
     assert measured == {("inference", False), ("inference", True), ("training", False), ("training", True)}
     for label, f in fams.items():
-        assert f["spent_s"] <= f["allotted_s"] + 1.0, (label, f)  # at most one series past its share
         assert ("training" in label) == (f["series_left"] > 0), (label, f)
     first = {cli._key(e): e for e in data["entries"]}
     assert calibrate.main(args(out, "--resume", "--budget", "600", **many)) == 0

@@ -1,10 +1,9 @@
 """``python -m dispatch.calibrate``: measure the backends on this machine and write its heuristics table.
 
-``plan`` (what is measured and the decision rule), ``measure`` (the timers and the GPU and host
-clocks; the inputs and parity checks are ``dispatch.cases``'), ``report`` (the self-check), ``warm``
-(compiling ahead on a GPU), ``ranks`` (torchrun), ``refit`` (a new rule on old points), and the
-command line in ``__main__``. The held-out judge is a benchmark: ``benchmarks/bench_heldout.py``.
-Importing the package does no work.
+``plan`` (what is measured and the decision rule), ``measure`` (the timers and the GPU and host clocks;
+inputs and parity checks are ``dispatch.cases``'), ``report`` (the self-check and the refit), ``warm``
+(compiling ahead on a GPU) and the command line in ``__main__``. The held-out judge is a benchmark,
+``benchmarks/bench_heldout.py``. Importing the package does no work.
 """
 
 

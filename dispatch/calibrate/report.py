@@ -1,42 +1,36 @@
-"""The end of ``python -m dispatch.calibrate``: the self-check on held-out points and where the time went.
+"""The end of a calibration: the self-check on held-out points, where the time went, and the refit.
 
 The self-check asks the written table for its pick at each held-out point (one token count per series
-that the fit never saw) and compares it with the timings there, twice: by the rule's cost
-(max(gpu_us, host_us)) and, for its pick under CUDA-graph capture, by GPU time alone.
+the fit never saw) and scores it against the timings there, by the rule's cost (max(gpu_us, host_us))
+and, for the pick under CUDA-graph capture, by GPU time alone. The refit (``--refit RAW``) fits a
+calibration's measured points again by the current rule, measuring nothing.
 """
 
 from __future__ import annotations
 
+import datetime
+import sys
 from typing import Optional
 
 import torch
 
 from dispatch import heuristics, select
+from dispatch.calibrate.plan import BASELINE, NOISE, PREFERENCE, PREFERENCE_INFERENCE, costs, estimated, fit, pool_host, preference
 from dispatch.cases import Case
-from dispatch.calibrate.plan import BASELINE, costs, estimated
 
 TARGETS = {"within_5pct": 0.95, "worst_regret": 0.10, "worst_vs_pytorch": 0.03}
 WITHIN = 0.05
+AGREE_M = tuple(4**i for i in range(9))  # 1 .. 65536: every other token count of the choice tables
 
 
 def case_of(e: dict, m: int) -> Case:
     """The case of a table entry at M = m (on the CPU: only the key matters for a lookup)."""
-    dtype = getattr(torch, e["dtype"])
-    return Case(
-        e["op"],
-        dtype,
-        e["activation"],
-        e["mode"] == "training",
-        e["dropout"],
-        m,
-        tuple(e["features"]),
-        torch.device("cpu"),
-    )
+    f = e["features"]
+    return Case(e["op"], getattr(torch, e["dtype"]), e["activation"], e["mode"] == "training", e["dropout"], m, tuple(f), torch.device("cpu"))  # noqa: E501
 
 
 def picks(doc: dict) -> list[tuple[dict, dict, Optional[str], Optional[str]]]:
-    """(entry, held-out point, the table's pick there, its pick for a call captured in a CUDA graph)
-    for every held-out point with timings."""
+    """(entry, held-out point, the table's pick there, its pick under capture) at every timed held-out point."""
     table = heuristics.Table(doc, "<calibration>")
     out = []
     for e in doc["entries"]:
@@ -44,34 +38,28 @@ def picks(doc: dict) -> list[tuple[dict, dict, Optional[str], Optional[str]]]:
             if costs(pt):
                 choice = table.choose(case_of(e, pt["m"]).call())
                 pick = choice.backend if choice else None
-                captured = select.capture_pick(choice, {})[0] if choice else None  # measured: it serves
+                captured = select.capture_pick(choice, {})[0] if choice else None
                 out.append((e, pt, pick, captured.name if captured is not None else pick))
     return out
 
 
-AGREE_M = tuple(4**i for i in range(9))  # 1 .. 65536: the choice tables' token counts, every other one
-
-
 def agreement(a: dict, b: dict) -> tuple[float, int]:
-    """The share of cells (each entry both documents have, at each of AGREE_M) where their tables pick
-    the same backend, and the number of cells."""
+    """The share of cells (entries both documents have, at each of AGREE_M) where both pick alike."""
     ta, tb = heuristics.Table(a, "<a>"), heuristics.Table(b, "<b>")
-    keys = {(e["op"], e["dtype"], e["activation"], e["mode"], e["dropout"], tuple(e["features"])): e for e in a["entries"]}
+    keys = {(e["op"], e["dtype"], e["activation"], e["mode"], e["dropout"], tuple(e["features"])) for e in a["entries"]}
     cells = same = 0
     for e in b["entries"]:
-        if (e["op"], e["dtype"], e["activation"], e["mode"], e["dropout"], tuple(e["features"])) not in keys:
-            continue
-        for m in AGREE_M:
-            call = case_of(e, m).call()
-            ca, cb = ta.choose(call), tb.choose(call)
-            cells += 1
-            same += (ca and ca.backend) == (cb and cb.backend)
+        if (e["op"], e["dtype"], e["activation"], e["mode"], e["dropout"], tuple(e["features"])) in keys:
+            for m in AGREE_M:
+                ca, cb = ta.choose(case_of(e, m).call()), tb.choose(case_of(e, m).call())
+                cells += 1
+                same += (ca and ca.backend) == (cb and cb.backend)
     return (same / cells if cells else 0.0), cells
 
 
 def _stats(found: list[tuple[dict[str, float], Optional[float], Optional[str]]]) -> dict:
-    """Over (each backend's time, the baseline's, the pick): the share within 5% of the fastest, the
-    worst regret, the worst slowdown against plain PyTorch."""
+    """Over (each backend's time, the baseline's, the pick): the share within 5% of the fastest, the worst
+    regret, the worst slowdown against plain PyTorch."""
     regrets, vs_base, missing = [], [], 0
     for t, base, chosen in found:
         if chosen not in t:
@@ -82,40 +70,28 @@ def _stats(found: list[tuple[dict[str, float], Optional[float], Optional[str]]])
             vs_base.append(t[chosen] / base - 1)
     n = len(regrets) + missing
     return {
-        "points": n,
-        "within_5pct": round(sum(r <= WITHIN for r in regrets) / n, 4) if n else None,
+        "points": n, "within_5pct": round(sum(r <= WITHIN for r in regrets) / n, 4) if n else None,
         "worst_regret": round(max(regrets), 4) if regrets else None,
-        "worst_vs_pytorch": round(max(vs_base), 4) if vs_base else None,
-        "pick_not_runnable": missing,
-    }
+        "worst_vs_pytorch": round(max(vs_base), 4) if vs_base else None, "pick_not_runnable": missing,
+    }  # fmt: skip
 
 
 def self_check(doc: dict) -> dict:
-    """The table's picks on the held-out points against TARGETS, by cost and, with the pick for calls
-    captured in a CUDA graph, by GPU time alone."""
+    """The table's picks on the held-out points against TARGETS, by cost and (the pick under capture) by
+    GPU time alone, where an untimed hopeless entry's estimate is no GPU time: left out."""
     found = picks(doc)
-    by_cost = [
-        (costs(pt), max(pt["gpu_us"].get(BASELINE, 0), pt["host_us"].get(BASELINE, 0)), c)
-        for _, pt, c, _ in found
+    by_cost = [(costs(pt), max(pt["gpu_us"].get(BASELINE, 0), pt["host_us"].get(BASELINE, 0)), c) for _, pt, c, _ in found]
+    by_gpu = [
+        ({n: pt["gpu_us"][n] for n in costs(pt) if n not in estimated(pt)}, pt["gpu_us"].get(BASELINE), c)
+        for _, pt, _, c in found
+        if c not in estimated(pt)
     ]
-    # GPU time alone: an untimed hopeless entry's estimate is no GPU time (it holds the host's), so a
-    # point whose pick was estimated is left out, and estimated others are not the fastest
-    by_gpu = []
-    for _, pt, _, c in found:
-        guessed = estimated(pt)
-        if c not in guessed:
-            by_gpu.append(({n: pt["gpu_us"][n] for n in costs(pt) if n not in guessed}, pt["gpu_us"].get(BASELINE), c))
-    result = _stats(by_cost)
-    result["by_gpu_time"] = _stats(by_gpu)
-    result["targets"] = TARGETS
-    result["meets_targets"] = bool(
-        result["points"]
-        and not result["pick_not_runnable"]
-        and result["within_5pct"] >= TARGETS["within_5pct"]
-        and result["worst_regret"] <= TARGETS["worst_regret"]
-        and (result["worst_vs_pytorch"] or 0) <= TARGETS["worst_vs_pytorch"]
-    )
-    return result
+    r = {**_stats(by_cost), "by_gpu_time": _stats(by_gpu), "targets": TARGETS}
+    r["meets_targets"] = bool(
+        r["points"] and not r["pick_not_runnable"] and r["within_5pct"] >= TARGETS["within_5pct"]
+        and r["worst_regret"] <= TARGETS["worst_regret"] and (r["worst_vs_pytorch"] or 0) <= TARGETS["worst_vs_pytorch"]
+    )  # fmt: skip
+    return r
 
 
 def _line(r: dict) -> str:
@@ -129,33 +105,74 @@ def format_self_check(r: dict) -> str:
     if not r["points"]:
         return "self-check: no held-out points were measured"
     t = r["targets"]
-    verdict = "PASS" if r["meets_targets"] else "MISS"
     return (
-        f"self-check on {r['points']} held-out points, by max(GPU, host): {_line(r)}: {verdict} (targets "
-        f">= {t['within_5pct']:.0%}, <= {t['worst_regret']:+.0%}, <= {t['worst_vs_pytorch']:+.0%})\n"
-        f"  by GPU time alone: {_line(r['by_gpu_time'])}"
+        f"self-check on {r['points']} held-out points, by max(GPU, host): {_line(r)}: "
+        f"{'PASS' if r['meets_targets'] else 'MISS'} (targets >= {t['within_5pct']:.0%}, "
+        f"<= {t['worst_regret']:+.0%}, <= {t['worst_vs_pytorch']:+.0%})\n  by GPU time alone: {_line(r['by_gpu_time'])}"
     )
 
 
 def format_costs(settings: dict) -> str:
-    """Where the time went: compiling ahead, each family's share, each backend's timing and checks."""
+    """Where the time went: compiling ahead, each family, each backend's timing and checks."""
     parts = []
     w = settings.get("warm_up")
     if w:
         by = ", ".join(f"{n} {t:.0f}" for n, t in w["worker_seconds"].items())
-        parts.append(
-            f"compiling ahead {w['seconds']:.0f} s ({w['calls']} calls in {w['workers']} processes; {by})"
-        )
+        parts.append(f"compiling ahead {w['seconds']:.0f} s ({w['calls']} calls in {w['workers']} processes; {by})")
     fams = settings.get("families", {})
     if fams:
-        parts.append("families (spent/allotted s, series left): " + ", ".join(
-            f"{k} {v['spent_s']:.0f}/{v['allotted_s']:.0f} {v['series_left']}" for k, v in fams.items()))  # fmt: skip
+        parts.append("families (spent s, series left): " + ", ".join(f"{k} {v['spent_s']:.0f} {v['series_left']}" for k, v in fams.items()))  # noqa: E501
     by = settings.get("seconds_by_backend", {})
     if by:
-        parts.append(
-            "backends (timing and checks, first calls included): "
-            + ", ".join(f"{n} {t:.0f} s" for n, t in by.items())
-        )
-    for what, why in settings.get("graph_capture_failed", {}).items():
-        parts.append(f"no CUDA graph for {what} (timed by do_bench): {why}")
+        parts.append("backends (timing and checks, first calls included): " + ", ".join(f"{n} {t:.0f} s" for n, t in by.items()))  # noqa: E501
+    parts += [f"no CUDA graph for {what} (timed by do_bench): {why}" for what, why in settings.get("graph_capture_failed", {}).items()]  # noqa: E501
     return "time spent: " + "\n  ".join(parts) if parts else ""
+
+
+def refit_entries(entries: list[dict], gpu: bool) -> None:
+    """Each entry's segments fitted again from its points, in place (on a GPU with its family's host costs,
+    ``plan.pool_host``). A winner must have passed its parity check in the entry, or be eager."""
+    if any("points" not in e for e in entries):
+        raise ValueError("the document keeps no raw points (a slim table): refit its raw_points file")
+    if gpu:
+        pool_host(entries)
+    for e in entries:
+        checked = {n for p in e["points"] for n in p.get("err", {})} | {"eager", BASELINE}
+        points = [{**p, **{k: {n: v for n, v in p[k].items() if n in checked} for k in ("gpu_us", "host_us")}} for p in e["points"]]
+        e["segments"] = fit(points, preference(e["mode"]))
+
+
+def refit(doc: dict) -> dict:
+    """``doc`` (a schema-2 calibration with raw points) with its segments and self-check refitted."""
+    gpu = doc["device"].get("type") == "cuda"
+    refit_entries(doc["entries"], gpu)
+    doc["settings"].update(noise=NOISE, preference=list(PREFERENCE), preference_inference=list(PREFERENCE_INFERENCE))
+    rule = "host cost = the family's median (plan.pool_host); segments by plan.fit" if gpu else "plan.fit"
+    doc["settings"]["refit"] = {"date": datetime.date.today().isoformat(), "rule": rule}
+    doc["self_check"] = self_check(doc)
+    return doc
+
+
+def refit_main(raw: str, out: Optional[str], slim_out: Optional[str], agree: Optional[str]) -> int:
+    """``--refit RAW``: RAW's segments fitted again and written (over RAW unless ``out``); ``agree``: the
+    share of choice cells on which it and another calibration, refitted too, agree."""
+    table = heuristics.load_table(raw)
+    if table is None or table.data.get("schema_version") != heuristics.SCHEMA_VERSION:
+        print(f"{raw}: not a schema {heuristics.SCHEMA_VERSION} calibration document", file=sys.stderr)
+        return 1
+    try:
+        doc = refit(table.data)
+    except ValueError as exc:
+        print(f"{raw}: {exc}", file=sys.stderr)
+        return 1
+    heuristics.save_table(doc, out or raw)
+    if slim_out:
+        heuristics.save_table(heuristics.slim(doc, out or raw), slim_out)
+    print(format_self_check(doc["self_check"]))
+    if agree:
+        other = heuristics.load_table(agree)
+        if other is None:
+            return 1
+        share, cells = agreement(doc, refit(other.data))
+        print(f"choice cells agreeing with {agree} (refitted): {share:.1%} of {cells}")
+    return 0

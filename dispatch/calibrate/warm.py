@@ -1,14 +1,10 @@
 """Compiling ahead, in worker processes, the calls a GPU calibration will make.
 
-Inductor compiles one graph per op, direction, dtype, activation, feature size and token class (M = 1
-or M >= 2), Triton one binary per kernel configuration and specialization; both keep a cache on disk,
-so workers run each kind of call once and the measuring process then loads what they compiled. On the
-H200 host inductor's compiles had been 250 of a 290 s run; ahead, a full run's 3206 calls took 94 s
-in 12 processes (859 worker-seconds). Triton is warmed for the members too: they are parity-checked
-with the winner's kernels at their own activation and dtype.
-
-Calls of one kind stay in one worker (no two compile the same graph); kinds are dealt in the run's
-priority order, so a deadline leaves the first series compiled.
+Inductor compiles a graph per op, direction, dtype, activation, feature size and token class (M = 1 or
+M >= 2), Triton a binary per kernel configuration and specialization; both cache on disk, so workers run
+each kind of call once and the measuring process loads what they compiled (inductor's compiles had been
+250 of a 290 s run on the H200 host). Triton is warmed for the members too: they are parity-checked with
+the winner's kernels. Calls of one kind stay in one worker; kinds are dealt in the run's priority order.
 """
 
 from __future__ import annotations
@@ -31,8 +27,8 @@ WARMED = ("inductor", "triton")  # the backends whose compiles land in a cache o
 
 
 def workers(asked: Optional[int], device: torch.device) -> int:
-    """``asked`` if given (--workers), else on a GPU the CPU cores less 2 (the measuring process and
-    the host's own work), at most 12; none on a CPU, whose cores the measurements need."""
+    """``asked``, else on a GPU the CPU cores less 2 (the measuring process, the host), at most 12; none
+    on a CPU, whose cores the measurements need."""
     if asked is not None:
         return asked
     return min(12, max((os.cpu_count() or 1) - 2, 0)) if device.type == "cuda" else 0
