@@ -4,26 +4,30 @@
 # choice tables, the log with the self-check, then the held-out evaluation (models outside the
 # calibration's sizes); every file also lands under $OUT with the same relative path.
 #   bash benchmarks/device_calibrate.sh
-# CAL_BUDGET: default 530 s (the full run took 506 s). EVAL_BUDGET: default 0, no evaluation (its 90 calls
-# take ~150 s, more than a full run leaves of a call: run python3 benchmarks/bench_heldout.py in the
-# next call). CAL_ARGS adds calibrate arguments (e.g. "--resume" to extend a stopped run).
+# CAL_BUDGET: default the calibrator's own (a full run in one call). EVAL_BUDGET: default 0, no evaluation
+# (its 90 calls take ~150 s, more than a full run leaves of a call: run it in the next call). CAL_ARGS adds
+# calibrate arguments (e.g. "--resume"). TAG names a run's files (calibrate_full-<date><TAG>.log). The
+# compile caches start empty, as on a newcomer's machine, even where an earlier call left them.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
-CAL_BUDGET=${CAL_BUDGET:-530}
+CAL_BUDGET=${CAL_BUDGET:-}
 EVAL_BUDGET=${EVAL_BUDGET:-0}
+TAG=${TAG:-}
+TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
+export TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR
 # a user table left on the machine must not answer for the new one
 export DISPATCH_HEURISTICS_DIR="$OUT/user-tables"
 R=benchmarks/results
 mkdir -p "$OUT/$R" "$OUT/heuristics/tables" "$DISPATCH_HEURISTICS_DIR" "$R"
 GPU=$(python3 -c "import torch; from dispatch import heuristics; print(heuristics.device_info(torch.device('cuda', 0))['slug'])")
-DATE=$(date +%F)
-RAW=$R/calibrate_points-$GPU.json
+DATE=$(date +%F)$TAG
+RAW=$R/calibrate_points-$GPU$TAG.json
 SLIM=heuristics/tables/$GPU.json
 start=$SECONDS
 
 # shellcheck disable=SC2086  (CAL_ARGS is a list of arguments)
-python3 -m dispatch.calibrate --budget "$CAL_BUDGET" --out "$RAW" --slim-out "$SLIM" ${CAL_ARGS:-} \
+python3 -m dispatch.calibrate ${CAL_BUDGET:+--budget "$CAL_BUDGET"} --out "$RAW" --slim-out "$SLIM" ${CAL_ARGS:-} \
   >"$R/calibrate_full-$DATE.log" 2>"$R/calibrate_full-$DATE.err"
 echo "calibrate rc=$? in $((SECONDS - start)) s"
 python3 -m dispatch.table --gpu "$SLIM" >"$R/choice_tables-$DATE.txt" 2>&1

@@ -618,3 +618,28 @@ def test_host_cost_is_the_family_median_of_the_measured_series():
         assert all(p["host_us"] == {"eager": 12.0, "triton": 50.0} for p in e["points"]), e["points"]
     assert other["points"][0]["host_us"] == {"eager": 200.0, "triton": 300.0}
     assert member["points"][0]["host_us_measured"] == {"eager": 1000.0, "triton": 1000.0}  # the clock's reading kept
+
+
+def test_compiling_ahead_gives_each_kind_of_call_to_one_worker():
+    """warm.deal: an inductor graph per feature size, a Triton kernel per op, dtype, activation and
+    direction whatever the size, each kind in one worker (no two compile it), the load spread, and each
+    worker's calls in the run's order."""
+    from dispatch.calibrate import warm
+
+    todo = [["triton", "bias_act_dropout", "bfloat16", "gelu", t, False, m, [n]]
+            for t in (False, True) for n in (768, 3072) for m in (1, 256)]  # fmt: skip
+    todo += [["inductor", "fused_linear", "bfloat16", "relu", False, False, m, [n, 768]]
+             for n in (768, 3072, 4096) for m in (1, 9)]  # fmt: skip
+    chunks = warm.deal(todo, 4)  # five kinds of two compiles each: one worker takes two
+    assert sorted(map(len, chunks)) == [2, 2, 4, 6] and sum(map(len, chunks)) == len(todo)
+    for kind in ({(j[0], j[4]) for j in todo if j[0] == "triton"}):
+        assert sum(any((j[0], j[4]) == kind for j in c) for c in chunks) == 1  # one worker a Triton kind
+    for c in chunks:
+        assert c == [j for j in todo if j in c]  # the run's order within a worker
+    assert warm.deal(todo, 1) == [todo]
+
+
+def test_torchrun_is_refused_with_a_clear_message(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="one process"):
+        calibrate.main(["--quick"])

@@ -57,15 +57,29 @@ def jobs(work: list, plan, only) -> list[list]:
     return out
 
 
+def deal(todo: list[list], workers: int) -> list[list[list]]:
+    """``todo`` split among ``workers``: one kind of call a worker (an inductor graph per feature size; a
+    Triton kernel per op, dtype, activation and direction at every size, its width a runtime argument),
+    so no two workers compile one thing. Kinds go largest first to the least loaded worker (an inductor
+    call ~ one compile, a Triton kind ~ one compile a size); each worker takes its kinds in the run's
+    priority order, so a deadline leaves the first series compiled."""
+    kinds: dict[tuple, list[list]] = defaultdict(list)
+    for j in todo:
+        kinds[(*j[:6], tuple(j[7]) if j[0] != "triton" else ())].append(j)
+    cost = {k: len(g) if k[0] != "triton" else len({tuple(j[7]) for j in g}) for k, g in kinds.items()}
+    order = {k: i for i, k in enumerate(kinds)}
+    loads: list[tuple[list[float], list[tuple]]] = [([0.0], []) for _ in range(max(1, workers))]
+    for k in sorted(kinds, key=cost.__getitem__, reverse=True):
+        load, ks = min(loads, key=lambda w: w[0][0])
+        load[0] += cost[k]
+        ks.append(k)
+    return [[j for k in sorted(ks, key=order.__getitem__) for j in kinds[k]] for _, ks in loads if ks]
+
+
 def warm(todo: list[list], workers: int, deadline_s: float, device: torch.device) -> dict:
     """Runs ``todo`` in ``workers`` processes, stopping them at ``deadline_s``. Returns a summary."""
     start = time.monotonic()
-    kinds: dict[tuple, list[list]] = defaultdict(list)
-    for j in todo:
-        kinds[(j[0], j[1], j[2], j[3], j[4], j[5], tuple(j[7]))].append(j)
-    chunks: list[list[list]] = [[] for _ in range(max(1, workers))]
-    for group in kinds.values():  # dict order: the run's priority order
-        min(chunks, key=len).extend(group)
+    chunks = deal(todo, workers)
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
