@@ -7,7 +7,8 @@
 # CAL_BUDGET: default the calibrator's own (a full run in one call). EVAL_BUDGET: default 0, no evaluation
 # (its 90 calls take ~150 s, more than a full run leaves of a call: run it in the next call). CAL_ARGS adds
 # calibrate arguments (e.g. "--resume"). TAG names a run's files (calibrate_full-<date><TAG>.log). The
-# compile caches start empty, as on a newcomer's machine, even where an earlier call left them.
+# compile caches start empty, as on a newcomer's machine, even where an earlier call left them. CAL_LIMIT
+# (default 580 s) stops the calibrator so its checkpoint still comes back in a 600 s call.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -27,7 +28,7 @@ SLIM=heuristics/tables/$GPU.json
 start=$SECONDS
 
 # shellcheck disable=SC2086  (CAL_ARGS is a list of arguments)
-python3 -m dispatch.calibrate ${CAL_BUDGET:+--budget "$CAL_BUDGET"} --out "$RAW" --slim-out "$SLIM" ${CAL_ARGS:-} \
+timeout "${CAL_LIMIT:-580}" python3 -m dispatch.calibrate ${CAL_BUDGET:+--budget "$CAL_BUDGET"} --out "$RAW" --slim-out "$SLIM" ${CAL_ARGS:-} \
   >"$R/calibrate_full-$DATE.log" 2>"$R/calibrate_full-$DATE.err"
 echo "calibrate rc=$? in $((SECONDS - start)) s"
 python3 -m dispatch.table --gpu "$SLIM" >"$R/choice_tables-$DATE.txt" 2>&1
