@@ -11,7 +11,7 @@ stopped run); the choice tables and the self-check print last.
 
     python -m dispatch.calibrate --quick                      # H200 ~2 min, 2 CPU cores < 3 min
     python -m dispatch.calibrate --out benchmarks/results/calibrate_points-nvidia-h200.json \\
-        --slim-out heuristics/tables/nvidia-h200.json          # full: --budget (default 540 s)
+        --slim-out heuristics/tables/nvidia-h200.json          # full: --budget (default 550 s)
     python -m dispatch.calibrate --refit RAW [--agree OTHER]   # the current rule on measured points
 """
 
@@ -54,7 +54,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add("--modes", nargs="+", choices=MODES, default=list(MODES))
     add("--backends", nargs="+", help=f"time only these ({BASELINE}, the baseline, always)")
     add("--quick", action="store_true", help="a few feature sizes and token counts, one dtype")
-    add("--budget", type=float, help="seconds for the whole run (default 540; quick 90 GPU, 150 CPU)")
+    add("--budget", type=float, help="seconds for the whole run (default 550; quick 90 GPU, 150 CPU)")
     add("--features", nargs="+", help="feature sizes: N for bias_act_dropout, N,K for fused_linear")
     add("--tokens", nargs="+", type=int, help="the coarse grid of token counts M")
     add("--out", help="default: <user dir>/<device slug>.json, the first place lookup looks")
@@ -244,15 +244,17 @@ class Run:
     def checked(self, s: Series, act: str, dtype: torch.dtype, features: tuple, points: list, compiled: bool) -> list:
         """Segments whose every winner, by cost and by GPU time alone (the captured pick; unchecked, refit
         dropped triton at 21 of 751 H200 points, up to 1.25x faster than eager), matched the reference at
-        its run's smallest M and its largest M within the check cap; a failing winner leaves those points
-        and the fit is redone."""
+        its run's largest M within the check cap and, in a measured series, its smallest M (a member, whose
+        kernels the representative's check ran at that M, is checked once a run: 600 checks had taken 65
+        s of a full run); a failing winner leaves those points and the fit is redone."""
         f, order = s.family, preference(s.family.mode)
         cap = self.plan.check_cap(f.op, features)
         while True:
             todo = []
             for name, pts in runs(points, order=order) + runs(points, order=order, by_gpu=True):
                 under = [p for p in pts if p["m"] <= cap]
-                for p in {id(p): p for p in (pts[0], under[-1] if under else pts[0])}.values():
+                ends = (pts[0], under[-1] if under else pts[0])[0 if compiled else 1 :]
+                for p in {id(p): p for p in ends}.values():
                     if name not in p["err"]:
                         todo.append((name, p))
             if not todo:

@@ -108,10 +108,12 @@ class Plan:
 
 
 def default_plan(device: torch.device, quick: bool, budget: Optional[float]) -> Plan:
-    """On a GPU a point holds at most 2**28 elements (~0.3 ms a pass in bf16) or 2**40 multiply-adds
-    (~2 ms forward: 70B-wide layers reach M = 4096). The GPU grid has no M = 16: M = 1 and 256 are both
-    host-bound for nearly every call (host costs are pooled per family, ``pool_host``), and where their
-    winners differ bisection measures 16 first."""
+    """On a GPU a point holds at most 2**27 elements (~0.13 ms a pass in bf16) or 2**39 multiply-adds
+    (~1 ms forward: 70B-wide layers reach M = 2048; beyond, the last segment continues). At 2**28 and
+    2**40 the largest points took 159 of a full run's 376 s of series (H200, 2026-12-04: 5-10 ms
+    training calls, read in SLOW_ROUNDS rounds), and the run measured 111 of 124 series in its budget.
+    The grid has no M = 16 (M = 1 and 256 are both host-bound for nearly every call, and host costs
+    are pooled per family), and bisection stops at neighbours 4x apart: crossovers to within 2x."""
     gpu = device.type == "cuda"
     if quick:
         return Plan(
@@ -123,8 +125,8 @@ def default_plan(device: torch.device, quick: bool, budget: Optional[float]) -> 
     return Plan(
         device, False, (torch.bfloat16, torch.float32) if gpu else (torch.float32, torch.bfloat16),
         SHARED_DTYPES if gpu else {}, FEATURES, (1, 256, 4096, 65536) if gpu else (1, 16, 256, 4096),
-        2.0, 2**28 if gpu else 2**22, 2**40 if gpu else 2**30, 3,
-        budget if budget is not None else 540.0, FLOAT32_SIZES if gpu else 0,
+        4.0 if gpu else 2.0, 2**27 if gpu else 2**22, 2**39 if gpu else 2**30, 3,
+        budget if budget is not None else 550.0, FLOAT32_SIZES if gpu else 0,
     )  # fmt: skip
 
 

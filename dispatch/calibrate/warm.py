@@ -27,11 +27,11 @@ WARMED = ("inductor", "triton")  # the backends whose compiles land in a cache o
 
 
 def workers(asked: Optional[int], device: torch.device) -> int:
-    """``asked``, else on a GPU the CPU cores less 2 (the measuring process, the host), at most 12; none
-    on a CPU, whose cores the measurements need."""
+    """``asked``, else on a GPU the CPU cores less one (the measuring process waits meanwhile), at most
+    15; none on a CPU, whose cores the measurements need."""
     if asked is not None:
         return asked
-    return min(12, max((os.cpu_count() or 1) - 2, 0)) if device.type == "cuda" else 0
+    return min(15, max((os.cpu_count() or 1) - 1, 0)) if device.type == "cuda" else 0
 
 
 def jobs(work: list, plan, only) -> list[list]:
