@@ -1,17 +1,15 @@
 """python -m dispatch.calibrate: measure every backend here and write this device's heuristics table.
 
-Each series (one activation class of one family (op, dtype, mode, dropout) at one real-model feature
-size) times every backend that serves its calls, and plain PyTorch, on both clocks (``measure``) over a
-coarse grid of token counts M, then bisects where the winner changes. The next task always goes to the
-family that has spent least per planned series, so a loaded machine still covers every family, and a
-finished family leaves its time to the rest. A backend enters a segment only after matching the float64
-reference there; a class's other activations and dtypes take the representative's timings, each checked
-on its own. The table is written atomically, also every 30 s while measuring (``--resume`` continues a
-stopped run); the choice tables and the self-check print last.
+A series (one activation class of a family: op, dtype, mode, dropout; one real-model feature size)
+times every backend serving its calls, and plain PyTorch, on both clocks over a coarse grid of token
+counts M, bisecting where the winner changes. The next task goes to the family that has spent least per
+planned series, so a loaded machine still covers every family. A backend enters a segment only after
+matching the float64 reference there; a class's other activations and dtypes take the representative's
+timings, each checked on its own. The table is written atomically, also every 30 s (``--resume``).
 
     python -m dispatch.calibrate --quick                      # H200 ~2 min, 2 CPU cores < 3 min
     python -m dispatch.calibrate --out benchmarks/results/calibrate_points-nvidia-h200.json \\
-        --slim-out heuristics/tables/nvidia-h200.json          # full: --budget (default 550 s)
+        --slim-out heuristics/tables/nvidia-h200.json          # full: 124 series in 501 s on an H200
     python -m dispatch.calibrate --refit RAW [--agree OTHER]   # the current rule on measured points
 """
 
@@ -30,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from dispatch import cases, heuristics, select, timing
-from dispatch.calibrate import measure, report
+from dispatch.calibrate import measure, report, warm
 from dispatch.calibrate.plan import (
     BASELINE, FAMILY_ORDER, MODES, NOISE, PREFERENCE, PREFERENCE_INFERENCE, Family, Plan, Series, contenders,
     default_plan, fit, held_out_ms, hopeless_in, preference, runs, series_of, spread, to_bisect,
@@ -48,8 +46,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add = p.add_argument
     add("--ops", nargs="+", choices=OPS, default=list(OPS))
     add("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"],
-        help="measured dtypes (GPU: bfloat16, float16 sharing its timings, float32; CPU: float32, and bfloat16 "
-        "without --quick)")  # fmt: skip
+        help="measured dtypes (GPU: bfloat16, float16 sharing its timings, float32; CPU: float32, bfloat16)")
     add("--activations", nargs="+", choices=ACTIVATION_NAMES, default=list(ACTIVATION_NAMES))
     add("--modes", nargs="+", choices=MODES, default=list(MODES))
     add("--backends", nargs="+", help=f"time only these ({BASELINE}, the baseline, always)")
@@ -60,9 +57,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add("--out", help="default: <user dir>/<device slug>.json, the first place lookup looks")
     add("--slim-out", help="also write the table without its raw points (as heuristics/tables/ ships it)")
     add("--resume", action="store_true", help="keep what --out has measured, measure the rest")
-    add("--refresh", action="store_true",
-        help="measure the selected --ops/--dtypes/--modes/--activations again, keep the rest of --out")  # fmt: skip
-    add("--workers", type=int, help="processes compiling ahead (GPU default: CPU cores - 2, at most 12)")
+    add("--refresh", action="store_true", help="measure the selected families again, keep the rest of --out")
+    add("--workers", type=int, help="processes compiling ahead (GPU default: CPU cores - 1, at most 15)")
     add("--refit", metavar="RAW", help="measure nothing: fit RAW's points again by the current rule")
     add("--agree", metavar="OTHER", help="with --refit: the share of choice cells RAW and OTHER agree on")
     return p.parse_args(argv)
@@ -75,7 +71,8 @@ def make_plan(args: argparse.Namespace, device: torch.device) -> Plan:
         plan.shared = {d: tuple(s for s in ss if s not in plan.dtypes) for d, ss in plan.shared.items()}
     if args.features:
         sizes = [tuple(int(v) for v in f.split(",")) for f in args.features]
-        plan.features = {op: [f for f in sizes if len(f) == n] for op, n in (("bias_act_dropout", 1), ("fused_linear", 2))}
+        plan.features = {op: [f for f in sizes if len(f) == len(dims)] for op, dims in (
+            ("bias_act_dropout", "N"), ("fused_linear", "NK"))}  # fmt: skip
         plan.float32_sizes = 0
     if args.tokens:
         plan.tokens = tuple(sorted(set(args.tokens)))
@@ -94,10 +91,9 @@ class Run:
     """One calibration: the plan, the clocks, the task queues and the entries measured so far."""
 
     def __init__(self, plan: Plan, args: argparse.Namespace, previous: Optional[dict], bar: tqdm) -> None:
-        self.plan, self.bar = plan, bar
+        self.plan, self.bar, self.start = plan, bar, time.monotonic()
         self.only = set(args.backends) if args.backends else None
         self.clock = measure.Clock(plan.device, plan.rounds, plan.quick)
-        self.start = time.monotonic()
         self.entries: dict[tuple, dict] = {_key(e): e for e in (previous or {}).get("entries", [])}
         dtypes = {_dt(d) for d in plan.dtypes} | {_dt(s) for d in plan.dtypes for s in plan.shared.get(d, ())}
         self.refresh = lambda e: bool(args.refresh) and e["op"] in args.ops and e["dtype"] in dtypes and (
@@ -116,26 +112,26 @@ class Run:
         """Each family's tasks, those already measured left out; returns the (series, features) to warm."""
         work = []
         for fam in families:
-            self.queue[fam] = []
-            every = series_of(self.plan, fam, activations)
+            self.queue[fam], every = [], series_of(self.plan, fam, activations)
             for features in self.plan.sizes(fam.op, fam.dtype):
                 todo = [s for s in every if not self._done(s, features, [(s.rep, fam.dtype)])]
                 self.queue[fam] += [("series", s, features) for s in todo]
-                self.queue[fam] += [("members", s, features) for s in every if not self._done(s, features, s.members)]
+                self.queue[fam] += [
+                    ("members", s, features) for s in every if not self._done(s, features, s.members)
+                ]
                 work += [(s, features) for s in todo]
             self.planned[fam] = len(every) * len(self.plan.sizes(fam.op, fam.dtype))
         return work
 
     def _done(self, s: Series, features: tuple, members: list) -> bool:
-        f = s.family
-        keys = [(f.op, _dt(d), a, f.mode, f.dropout, tuple(features)) for a, d in members]
+        keys = [self._entry_key(s.family, a, d, features) for a, d in members]
         return all(k in self.entries and not self.refresh(self.entries[k]) for k in keys)
 
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
+    def _entry_key(self, f: Family, act: str, dtype: torch.dtype, features: tuple) -> tuple:
+        return (f.op, _dt(dtype), act, f.mode, f.dropout, tuple(features))
 
     def left(self) -> float:
-        return self.deadline - self.elapsed()
+        return self.deadline - (time.monotonic() - self.start)
 
     def run(self, save: Callable[[], None]) -> None:
         """Task by task, each for the open family that has spent least per planned series."""
@@ -151,10 +147,9 @@ class Run:
                 save()
                 saved = time.monotonic()
 
-    # --------------------------------------------------------------- measuring
-
     def case(self, f: Family, act: str, dtype: torch.dtype, m: int, features: tuple) -> cases.Case:
-        return cases.Case(f.op, dtype, act, f.mode == "training", f.dropout, m, tuple(features), self.plan.device)
+        training = f.mode == "training"
+        return cases.Case(f.op, dtype, act, training, f.dropout, m, tuple(features), self.plan.device)
 
     def names(self, case: cases.Case) -> list[str]:
         """Every backend that would serve this call on its own (never an interpreter), and the baseline."""
@@ -164,9 +159,11 @@ class Run:
 
     def point(self, case: cases.Case, names: list[str], timed: dict[int, float]) -> dict:
         start = time.monotonic()
-        self.bar.set_description_str(f"{case.op} {_dt(case.dtype)} {case.activation} {'x'.join(map(str, (case.m, *case.features)))}", False)  # noqa: E501
+        dims = "x".join(map(str, (case.m, *case.features)))
+        self.bar.set_description_str(f"{case.op} {_dt(case.dtype)} {case.activation} {dims}", False)
         # a first call (a compile) starts only while time is left; eager and the baseline compile nothing
-        pt, spent = measure.point(case, names, self.clock, lambda n: n in ("eager", BASELINE) or self.left() > 0)
+        may_start = lambda n: n in ("eager", BASELINE) or self.left() > 0  # noqa: E731
+        pt, spent = measure.point(case, names, self.clock, may_start)
         for n, t in spent.items():
             self.cost[n] += t
         timed[case.m] = round(time.monotonic() - start, 2)
@@ -189,18 +186,19 @@ class Run:
                 points[m] = self.point(case, contenders(names, points, s.partial), timed)
             pending = [m for m in to_bisect(points, self.plan.ratio) if m not in points and self.left() > 0]
         held = []
-        for m in held_out_ms(sorted(points), self.plan.m_cap(f.op, features, f.dtype), f"{s.label} {features}"):
+        cap = self.plan.m_cap(f.op, features, f.dtype)
+        for m in held_out_ms(sorted(points), cap, f"{s.label} {features}"):
             if self.left() > 0:
                 case = self.case(f, s.rep, f.dtype, m, features)
                 held.append(self.point(case, [n for n in self.names(case) if n not in dropped], timed))
         measured = [points[m] for m in sorted(points)]
         self.dropped.setdefault((f, s.rep), hopeless_in(measured + held, s.partial))
         self.add(s, s.rep, f.dtype, features, measured, held)
+        spent = {n: round(t - before.get(n, 0.0), 2) for n, t in self.cost.items() if t > before.get(n, 0.0)}
         self.log.append({
             "series": s.label, "features": list(features), "points": len(measured) + len(held),
             "seconds": round(time.monotonic() - start, 2), "dropped_by_family": sorted(dropped),
-            "timing_s": {n: round(t - before.get(n, 0.0), 2) for n, t in self.cost.items() if t > before.get(n, 0.0)},
-            "point_s": {str(m): t for m, t in sorted(timed.items())},
+            "timing_s": spent, "point_s": {str(m): t for m, t in sorted(timed.items())},
             "left_out": {n: why for p in measured for n, why in p["rejected"].items()},
         })  # fmt: skip
 
@@ -208,9 +206,9 @@ class Run:
         """The activations and dtypes sharing the representative's timings: each keeps the timings of the
         backends that serve it, and its winners are checked at its own activation and dtype."""
         f = s.family
-        rep = self.entries.get((f.op, _dt(f.dtype), s.rep, f.mode, f.dropout, tuple(features)))
+        rep = self.entries.get(self._entry_key(f, s.rep, f.dtype, features))
         for act, dtype in s.members if rep is not None else []:
-            key = (f.op, _dt(dtype), act, f.mode, f.dropout, tuple(features))
+            key = self._entry_key(f, act, dtype, features)
             if key in self.entries and not self.refresh(self.entries[key]):
                 continue
             points = []
@@ -219,8 +217,6 @@ class Run:
                 kept = {k: {n: v for n, v in p[k].items() if n in serve} for k in ("gpu_us", "host_us")}
                 points.append({"m": p["m"], "err": {}, "rejected": {}, **kept})
             self.add(s, act, dtype, features, points, [], compiled=False)
-
-    # --------------------------------------------------------------- parity and entries
 
     def gate(self, case: cases.Case, name: str, compiled: bool) -> list:
         """[passed, error, why] of ``name`` at ``case``, cached. A check that may compile (not eager, at an
@@ -241,12 +237,14 @@ class Run:
             self.cost[name] += time.monotonic() - start
         return self.gates[key]
 
-    def checked(self, s: Series, act: str, dtype: torch.dtype, features: tuple, points: list, compiled: bool) -> list:
+    def checked(
+        self, s: Series, act: str, dtype: torch.dtype, features: tuple, points: list, compiled: bool
+    ) -> list:
         """Segments whose every winner, by cost and by GPU time alone (the captured pick; unchecked, refit
         dropped triton at 21 of 751 H200 points, up to 1.25x faster than eager), matched the reference at
         its run's largest M within the check cap and, in a measured series, its smallest M (a member, whose
-        kernels the representative's check ran at that M, is checked once a run: 600 checks had taken 65
-        s of a full run); a failing winner leaves those points and the fit is redone."""
+        small-M kernels the representative's check ran, once a run: 600 checks had taken 65 s of a full
+        run); a failing winner leaves those points and the fit is redone."""
         f, order = s.family, preference(s.family.mode)
         cap = self.plan.check_cap(f.op, features)
         while True:
@@ -254,9 +252,7 @@ class Run:
             for name, pts in runs(points, order=order) + runs(points, order=order, by_gpu=True):
                 under = [p for p in pts if p["m"] <= cap]
                 ends = (pts[0], under[-1] if under else pts[0])[0 if compiled else 1 :]
-                for p in {id(p): p for p in ends}.values():
-                    if name not in p["err"]:
-                        todo.append((name, p))
+                todo += [(name, p) for p in {id(p): p for p in ends}.values() if name not in p["err"]]
             if not todo:
                 return fit(points, order)
             for name, p in todo:
@@ -277,22 +273,25 @@ class Run:
                  "features": list(features), "measured_as": s.rep}  # fmt: skip
             if dtype != f.dtype:
                 e["measured_dtype"] = _dt(f.dtype)
-            e.update(parity_checked=True, max_m=max(p["m"] for p in points), segments=segments, points=points, held_out=held)
-            self.entries[_key(e)] = e
+            e.update(parity_checked=True, max_m=max(p["m"] for p in points), segments=segments)
+            self.entries[_key(e)] = {**e, "points": points, "held_out": held}
 
     def document(self, info: dict, in_progress: bool, extra: dict) -> dict:
-        entries = sorted(self.entries.values(), key=lambda e: (e["op"], e["dtype"], e["mode"], e["dropout"], e["activation"], e["features"]))  # noqa: E501
+        order = lambda e: (e["op"], e["dtype"], e["mode"], e["dropout"], e["activation"], e["features"])  # noqa: E731
+        entries = sorted(self.entries.values(), key=order)
         left = {f: sum(t[0] == "series" for t in q) for f, q in self.queue.items()}
         planned = {(f.op, _dt(f.dtype), f.mode, f.dropout) for f in self.planned}
         gpu = self.plan.device.type == "cuda"
         settings = {
             "quick": self.plan.quick, "noise": NOISE, "preference": list(PREFERENCE),
             "preference_inference": list(PREFERENCE_INFERENCE), "p_dropout": cases.P_DROPOUT,
-            "rule": "cost = max(gpu_us, host_us); ties within noise go to preference (preference_inference without autograd)",
+            "rule": "cost = max(gpu_us, host_us); ties within noise go to preference "
+                    "(preference_inference without autograd)",
             "baseline": "pytorch: F.dropout(act(x + b), p) / act(F.linear(x, w, b))",
-            "timer": ("gpu_us: triton.testing.do_bench_cudagraph (events at >= 5 ms); host_us: perf_counter behind "
-                      "torch.cuda._sleep" if gpu else "gpu_us = host_us = time.perf_counter median (no GPU clock)"),
-            "budget_s": self.plan.budget_s, "in_progress": in_progress, "stopped_by_budget": any(left.values()),
+            "timer": "gpu_us: triton.testing.do_bench_cudagraph (events at >= 5 ms); host_us: perf_counter "
+                     "behind torch.cuda._sleep" if gpu else "gpu_us = host_us = perf_counter (no GPU clock)",
+            "budget_s": self.plan.budget_s, "in_progress": in_progress,
+            "stopped_by_budget": any(left.values()),
             "series_measured": sum(  # of this run's families: a refresh keeps the others' entries too
                 e["activation"] == e["measured_as"] and "measured_dtype" not in e
                 and (e["op"], e["dtype"], e["mode"], e["dropout"]) in planned for e in entries),
@@ -300,8 +299,7 @@ class Run:
             "families": {f.label: {"spent_s": round(self.spent[f], 1), "series_planned": self.planned[f],
                                    "series_left": left[f]} for f in self.queue},
             "graph_capture_failed": {" ".join(map(str, k)): v for k, v in self.clock.no_graph.items()},
-            **extra,
-            "seconds_by_backend": {n: round(t, 1) for n, t in sorted(self.cost.items())},
+            **extra, "seconds_by_backend": {n: round(t, 1) for n, t in sorted(self.cost.items())},
             "series_seconds": self.log,
         }  # fmt: skip
         served = {n for e in entries for p in e["points"] for n in p["gpu_us"]}
@@ -324,7 +322,7 @@ def _previous(path: str, info: dict) -> Optional[dict]:
     why = (
         "no table" if table is None else "another device's table" if table.slug != info["slug"]
         else "a table of other versions" if table.version_mismatch()
-        else "a schema 1 table (its points have no host clock)" if table.data["schema_version"] != heuristics.SCHEMA_VERSION
+        else "a schema 1 table (no host clock)" if table.data["schema_version"] != heuristics.SCHEMA_VERSION
         else ""
     )  # fmt: skip
     if why:
@@ -333,7 +331,9 @@ def _previous(path: str, info: dict) -> Optional[dict]:
     return table.data
 
 
-def _runs(previous: Optional[dict], args: argparse.Namespace, plan: Plan, seconds: float, families: list) -> list:
+def _runs(
+    previous: Optional[dict], args: argparse.Namespace, plan: Plan, seconds: float, families: list
+) -> list:
     """The table's history: a refresh is one more run, a resumed run one more part of the last one."""
     done = [] if previous is None else runs_of(previous.get("settings", {}), previous.get("date"))
     this = {"date": datetime.date.today().isoformat(), "elapsed_s": round(seconds, 1)}
@@ -341,7 +341,8 @@ def _runs(previous: Optional[dict], args: argparse.Namespace, plan: Plan, second
         return done + [{"run": "refresh", **this, "families": families}]
     if done:
         last = done[-1]
-        return done[:-1] + [{**last, "elapsed_s": round(last["elapsed_s"] + seconds, 1), "parts": last.get("parts", 1) + 1}]
+        seconds += last["elapsed_s"]
+        return done[:-1] + [{**last, "elapsed_s": round(seconds, 1), "parts": last.get("parts", 1) + 1}]
     return [{"run": "quick" if plan.quick else "full", **this, "parts": 1}]
 
 
@@ -357,32 +358,31 @@ def _bandwidth_gbs(device: torch.device) -> Optional[float]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks would each measure and write the same table
-        sys.exit("python -m dispatch.calibrate runs in one process: run it without torchrun, once per GPU kind")
+        sys.exit("python -m dispatch.calibrate runs in one process: run it without torchrun, on one GPU")
     if args.refit:
         return report.refit_main(args.refit, args.out, args.slim_out, args.agree)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    plan = make_plan(args, device)
-    info = heuristics.device_info(device)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    plan, info = make_plan(args, device), heuristics.device_info(device)
     out = args.out or os.path.join(heuristics.user_dir(), info["slug"] + ".json")
     previous = _previous(out, info) if args.resume or args.refresh else None
     families = [Family(op, dt, mode, drop) for dt in plan.dtypes for mode, op, drop in FAMILY_ORDER
                 if op in args.ops and mode in args.modes and plan.features.get(op)]  # fmt: skip
     labels = sorted({f"{f.op} {_dt(f.dtype)} {f.mode}" for f in families})
     backends()  # every backend imported before the clock starts
-    print(f"calibrating {info['name']} ({info['slug']}) -> {out}; budget {plan.budget_s:.0f} s", file=sys.stderr)
+    where = f"{info['name']} ({info['slug']}) -> {out}"
+    print(f"calibrating {where}; budget {plan.budget_s:.0f} s", file=sys.stderr)
     with tqdm(unit="series", file=sys.stderr, dynamic_ncols=True, mininterval=1.0) as bar:
         run = Run(plan, args, previous, bar)
         work = run.plan_tasks(families, tuple(args.activations))
         bar.reset(total=sum(t[0] == "series" for q in run.queue.values() for t in q))
-        from dispatch.calibrate import warm
-
         workers, warmed = warm.workers(args.workers, device), None
         if workers and work:
             bar.set_description_str(f"compiling ahead in {workers} processes", False)
             warmed = warm.warm(warm.jobs(work, plan, run.only), workers, plan.budget_s / 4, device)
 
         def history() -> dict:
-            runs_ = _runs(previous, args, plan, run.elapsed(), labels)
+            runs_ = _runs(previous, args, plan, time.monotonic() - run.start, labels)
             return {"warm_up": warmed, "runs": runs_, "elapsed_s": runs_[-1]["elapsed_s"]}
 
         run.run(lambda: heuristics.save_table(run.document(info, True, history()), out))
@@ -401,9 +401,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(report.format_self_check(doc["self_check"]))
     print(report.format_costs(doc["settings"]))
     st = doc["settings"]
-    state = "stopped by the budget after" if st["stopped_by_budget"] else "finished in"
-    print(f"{state} {run.elapsed():.0f} s: {st['series_measured']} of {st['series_planned']} series measured, "
-          f"{len(doc['entries'])} entries; wrote {out}" + (" (run again with --resume to extend it)" if st["stopped_by_budget"] else ""))  # fmt: skip
+    stopped = st["stopped_by_budget"]
+    state = "stopped by the budget after" if stopped else "finished in"
+    print(f"{state} {time.monotonic() - run.start:.0f} s: {st['series_measured']} of {st['series_planned']} "
+          f"series measured, {len(doc['entries'])} entries; wrote {out}"
+          + (" (run again with --resume to extend it)" if stopped else ""))  # fmt: skip
     return 0
 
 

@@ -154,7 +154,8 @@ class Clock:
         key = (t.name, t.case.op, t.case.training, t.case.dropout)
         if key not in self.no_graph:
             try:
-                return Timed(timing.gpu_ms(t.fn, GRAPH_REP_MS, t.leaves, t.calls) * 1e3, host_us, "graph", drained)
+                gpu_us = timing.gpu_ms(t.fn, GRAPH_REP_MS, t.leaves, t.calls) * 1e3
+                return Timed(gpu_us, host_us, "graph", drained)
             except Exception as exc:  # a backend whose calls cannot be captured
                 self.no_graph[key] = timing.describe(exc)
                 timing.settle(self.device)
@@ -234,8 +235,8 @@ class Clock:
             spent[name] += time.monotonic() - start
         for name, got in samples.items():
             if name not in out and got:
-                gpu, host = statistics.median(s.gpu_us for s in got), statistics.median(s.host_us for s in got)
-                out[name] = Timed(gpu, host, got[0].how, any(s.drained for s in got))
+                med = [statistics.median(getattr(s, k) for s in got) for k in ("gpu_us", "host_us")]
+                out[name] = Timed(*med, got[0].how, any(s.drained for s in got))
         return out, spent
 
 

@@ -161,7 +161,8 @@ class Series:
     def partial(self) -> frozenset[str]:
         """Backends serving the representative but not every member (they prune nobody: ``contenders``)."""
         op = self.family.op
-        return servers(op, self.rep) - servers(op, self.rep).intersection(*(servers(op, a) for a, _ in self.members))
+        mine = servers(op, self.rep)
+        return mine - mine.intersection(*(servers(op, a) for a, _ in self.members))
 
 
 def servers(op: str, activation: str) -> frozenset[str]:
@@ -380,7 +381,8 @@ def contenders(names: list[str], points: dict[int, dict], partial: frozenset[str
             for c, gpu, cheapest, fastest in bars
             if name in c
         )
-        if name in ("eager", BASELINE) or not (beaten or (len(seen) == 1 and _hopeless(name, seen[0], partial))):
+        hopeless = len(seen) == 1 and _hopeless(name, seen[0], partial)
+        if name in ("eager", BASELINE) or not (beaten or hopeless):
             keep.append(name)
     return keep
 

@@ -15,7 +15,9 @@ from typing import Optional
 import torch
 
 from dispatch import heuristics, select
-from dispatch.calibrate.plan import BASELINE, NOISE, PREFERENCE, PREFERENCE_INFERENCE, costs, estimated, fit, pool_host, preference
+from dispatch.calibrate.plan import (
+    BASELINE, NOISE, PREFERENCE, PREFERENCE_INFERENCE, costs, estimated, fit, pool_host, preference,
+)  # fmt: skip
 from dispatch.cases import Case
 
 TARGETS = {"within_5pct": 0.95, "worst_regret": 0.10, "worst_vs_pytorch": 0.03}
@@ -23,14 +25,19 @@ WITHIN = 0.05
 AGREE_M = tuple(4**i for i in range(9))  # 1 .. 65536: every other token count of the choice tables
 
 
+def _key(e: dict) -> tuple:
+    return (e["op"], e["dtype"], e["activation"], e["mode"], e["dropout"], tuple(e["features"]))
+
+
 def case_of(e: dict, m: int) -> Case:
     """The case of a table entry at M = m (on the CPU: only the key matters for a lookup)."""
-    f = e["features"]
-    return Case(e["op"], getattr(torch, e["dtype"]), e["activation"], e["mode"] == "training", e["dropout"], m, tuple(f), torch.device("cpu"))  # noqa: E501
+    dtype, training = getattr(torch, e["dtype"]), e["mode"] == "training"
+    cpu = torch.device("cpu")
+    return Case(e["op"], dtype, e["activation"], training, e["dropout"], m, tuple(e["features"]), cpu)
 
 
 def picks(doc: dict) -> list[tuple[dict, dict, Optional[str], Optional[str]]]:
-    """(entry, held-out point, the table's pick there, its pick under capture) at every timed held-out point."""
+    """(entry, held-out point, the table's pick there, its pick under capture) at each timed held-out M."""
     table = heuristics.Table(doc, "<calibration>")
     out = []
     for e in doc["entries"]:
@@ -46,10 +53,10 @@ def picks(doc: dict) -> list[tuple[dict, dict, Optional[str], Optional[str]]]:
 def agreement(a: dict, b: dict) -> tuple[float, int]:
     """The share of cells (entries both documents have, at each of AGREE_M) where both pick alike."""
     ta, tb = heuristics.Table(a, "<a>"), heuristics.Table(b, "<b>")
-    keys = {(e["op"], e["dtype"], e["activation"], e["mode"], e["dropout"], tuple(e["features"])) for e in a["entries"]}
+    keys = {_key(e) for e in a["entries"]}
     cells = same = 0
     for e in b["entries"]:
-        if (e["op"], e["dtype"], e["activation"], e["mode"], e["dropout"], tuple(e["features"])) in keys:
+        if _key(e) in keys:
             for m in AGREE_M:
                 ca, cb = ta.choose(case_of(e, m).call()), tb.choose(case_of(e, m).call())
                 cells += 1
@@ -80,7 +87,8 @@ def self_check(doc: dict) -> dict:
     """The table's picks on the held-out points against TARGETS, by cost and (the pick under capture) by
     GPU time alone, where an untimed hopeless entry's estimate is no GPU time: left out."""
     found = picks(doc)
-    by_cost = [(costs(pt), max(pt["gpu_us"].get(BASELINE, 0), pt["host_us"].get(BASELINE, 0)), c) for _, pt, c, _ in found]
+    base = lambda pt: max(pt["gpu_us"].get(BASELINE, 0), pt["host_us"].get(BASELINE, 0))  # noqa: E731
+    by_cost = [(costs(pt), base(pt), c) for _, pt, c, _ in found]
     by_gpu = [
         ({n: pt["gpu_us"][n] for n in costs(pt) if n not in estimated(pt)}, pt["gpu_us"].get(BASELINE), c)
         for _, pt, _, c in found
@@ -89,7 +97,8 @@ def self_check(doc: dict) -> dict:
     r = {**_stats(by_cost), "by_gpu_time": _stats(by_gpu), "targets": TARGETS}
     r["meets_targets"] = bool(
         r["points"] and not r["pick_not_runnable"] and r["within_5pct"] >= TARGETS["within_5pct"]
-        and r["worst_regret"] <= TARGETS["worst_regret"] and (r["worst_vs_pytorch"] or 0) <= TARGETS["worst_vs_pytorch"]
+        and r["worst_regret"] <= TARGETS["worst_regret"]
+        and (r["worst_vs_pytorch"] or 0) <= TARGETS["worst_vs_pytorch"]
     )  # fmt: skip
     return r
 
@@ -97,7 +106,8 @@ def self_check(doc: dict) -> dict:
 def _line(r: dict) -> str:
     return (
         f"{r['within_5pct']:.0%} within 5% of the fastest, worst regret {r['worst_regret'] or 0:+.1%}, "
-        f"worst vs plain PyTorch {r['worst_vs_pytorch'] or 0:+.1%}, pick unrunnable at {r['pick_not_runnable']}"
+        f"worst vs plain PyTorch {r['worst_vs_pytorch'] or 0:+.1%}, "
+        f"pick unrunnable at {r['pick_not_runnable']}"
     )
 
 
@@ -108,7 +118,8 @@ def format_self_check(r: dict) -> str:
     return (
         f"self-check on {r['points']} held-out points, by max(GPU, host): {_line(r)}: "
         f"{'PASS' if r['meets_targets'] else 'MISS'} (targets >= {t['within_5pct']:.0%}, "
-        f"<= {t['worst_regret']:+.0%}, <= {t['worst_vs_pytorch']:+.0%})\n  by GPU time alone: {_line(r['by_gpu_time'])}"
+        f"<= {t['worst_regret']:+.0%}, <= {t['worst_vs_pytorch']:+.0%})\n"
+        f"  by GPU time alone: {_line(r['by_gpu_time'])}"
     )
 
 
@@ -118,7 +129,8 @@ def format_costs(settings: dict) -> str:
     w = settings.get("warm_up")
     if w:
         by = ", ".join(f"{n} {t:.0f}" for n, t in w["worker_seconds"].items())
-        parts.append(f"compiling ahead {w['seconds']:.0f} s ({w['calls']} calls in {w['workers']} processes; {by})")
+        calls = f"{w['calls']} calls in {w['workers']} processes"
+        parts.append(f"compiling ahead {w['seconds']:.0f} s ({calls}; {by})")
     fams = settings.get("families", {})
     if fams:
         parts.append("families (spent s, series left): " + ", ".join(f"{k} {v['spent_s']:.0f} {v['series_left']}" for k, v in fams.items()))  # noqa: E501
@@ -138,7 +150,8 @@ def refit_entries(entries: list[dict], gpu: bool) -> None:
         pool_host(entries)
     for e in entries:
         checked = {n for p in e["points"] for n in p.get("err", {})} | {"eager", BASELINE}
-        points = [{**p, **{k: {n: v for n, v in p[k].items() if n in checked} for k in ("gpu_us", "host_us")}} for p in e["points"]]
+        keep = lambda p: {k: {n: v for n, v in p[k].items() if n in checked} for k in ("gpu_us", "host_us")}  # noqa: E731
+        points = [{**p, **keep(p)} for p in e["points"]]
         e["segments"] = fit(points, preference(e["mode"]))
 
 
@@ -146,7 +159,8 @@ def refit(doc: dict) -> dict:
     """``doc`` (a schema-2 calibration with raw points) with its segments and self-check refitted."""
     gpu = doc["device"].get("type") == "cuda"
     refit_entries(doc["entries"], gpu)
-    doc["settings"].update(noise=NOISE, preference=list(PREFERENCE), preference_inference=list(PREFERENCE_INFERENCE))
+    prefer = {"preference": list(PREFERENCE), "preference_inference": list(PREFERENCE_INFERENCE)}
+    doc["settings"].update(noise=NOISE, **prefer)
     rule = "host cost = the family's median (plan.pool_host); segments by plan.fit" if gpu else "plan.fit"
     doc["settings"]["refit"] = {"date": datetime.date.today().isoformat(), "rule": rule}
     doc["self_check"] = self_check(doc)
