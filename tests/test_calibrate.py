@@ -383,6 +383,25 @@ def test_budget_is_shared_by_the_families_and_resume_continues(user_dir, clocks)
     assert len(resumed) == 4 * 2 * 3 and all(resumed[k] == e for k, e in first.items())
 
 
+def test_a_run_the_budget_stops_has_whole_classes(user_dir, clocks):
+    """A series' members are checked right after it: each first call sleeps 0.4 s (a compile), so a 3 s
+    budget stops the run partway through its sizes, and every measured representative has every member
+    of its class beside it."""
+    _, _, delay = clocks
+    delay[("flat", False, False)] = delay[("eager", False, False)] = 0.4
+    out = user_dir / "t.json"
+    acts = ("gelu", "gelu_tanh", "silu", "relu", "identity")
+    assert calibrate.main(args(out, "--budget", "3", acts=acts, features=("32", "40", "48", "56"))) == 0
+    data = heuristics.load_table(str(out)).data
+    assert data["settings"]["stopped_by_budget"]
+    have = {(e["activation"], e["features"][0], e["dropout"]) for e in data["entries"]}
+    reps = {(a, n, d) for a, n, d in have if a in ("gelu", "relu")}
+    assert {(a, n) for a, n, d in reps if not d} and len(reps) < 16  # stopped partway
+    for rep, n, d in reps:
+        cls = next(c for c in plan.CLASSES["bias_act_dropout"] if rep in c)
+        assert {(a, n, d) for a in cls if a in acts} <= have, (rep, n, d, sorted(have))
+
+
 def test_refresh_measures_the_selected_families_again_and_keeps_the_rest(user_dir, clocks):
     gpu, _, _ = clocks
     out = user_dir / "t.json"
