@@ -438,12 +438,15 @@ def test_a_slim_table_cannot_be_resumed(user_dir, clocks):
 
 
 def test_tiny_real_run_on_cpu(user_dir, capsys):
-    """Eager and plain PyTorch, both ops and modes, real clocks: on the CPU both clocks are the wall time;
-    the choice tables show speedups over plain PyTorch."""
+    """Eager and plain PyTorch, both ops and modes, real clocks: on the CPU both clocks are the wall time
+    (no second self-check by GPU time: there is no capture); the choice tables show speedups over plain
+    PyTorch."""
     out = user_dir / "tiny.json"
     argv = ["--quick", "--modes", "inference", "training", "--activations", "gelu", "--features", "64", "64,32",
             "--tokens", "1", "8", "--backends", "eager", "--out", str(out)]  # fmt: skip
     assert calibrate.main(argv) == 0
+    ran = capsys.readouterr().out
+    assert "self-check on" in ran and "by GPU time alone" not in ran
     table = heuristics.load_table(str(out))
     assert table.version == 2 and table.data["settings"]["timer"].startswith("gpu_us = host_us")
     ops = {(e["op"], e["mode"], e["dropout"]) for e in table.data["entries"]}
