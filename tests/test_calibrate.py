@@ -106,6 +106,25 @@ def test_inference_ties_go_to_cublaslt_and_training_ties_to_eager():
     apart = [pt(64, 100.0, 100.0 * (1 + 2 * plan.NOISE))]
     assert plan.fit(apart, plan.preference("inference"))[0]["backend"] == "eager"
 
+def test_bisection_decides_by_the_series_host_costs_on_a_gpu_and_by_the_modes_order():
+    """gpt2.up relu inference on the H200: one host sample at M = 4096 made cuBLASLt ("cublaslt") win there as
+    at 65536, so the gap went unbisected, while by the series' median host costs (what the table's
+    pooled costs decide) eager wins 4096: bisected. On a CPU (host cost = wall time, growing with M)
+    each point keeps its own. A tie goes by the mode's order: cuBLASLt first without autograd."""
+
+    def pt(m, eager, lt):
+        return {"m": m, "gpu_us": {"eager": eager[0], "cublaslt": lt[0]},
+                "host_us": {"eager": eager[1], "cublaslt": lt[1]}}  # fmt: skip
+
+    points = {1: pt(1, (5, 50), (5, 60)), 256: pt(256, (6, 52), (5, 59)), 1024: pt(1024, (13, 51), (10, 60)),
+              4096: pt(4096, (45, 52), (32, 40)), 65536: pt(65536, (650, 52), (460, 59))}  # fmt: skip
+    assert plan.to_bisect(points, 4.0) == []  # 4096: cuBLASLt by its own host sample (40 < 52)
+    assert plan.to_bisect(points, 4.0, pooled=True) == [16384]  # by medians eager (52 < 59)
+    tie = {m: pt(m, (10, 20), (10, 20.5)) for m in (1, 256)} | {4096: pt(4096, (100, 20), (60, 20))}
+    assert plan.to_bisect(tie, 4.0, plan.PREFERENCE) == [1024]  # eager first: eager at 256, cuBLASLt at 4096
+    assert plan.to_bisect(tie, 4.0, plan.PREFERENCE_INFERENCE) == []  # cuBLASLt at every point
+
+
 def test_the_winner_is_the_cheapest_by_max_of_gpu_time_and_host_cost():
     """At M = 64 'fast' has the shorter GPU time but a host cost above both of eager's clocks: eager wins
     (host-bound 'fast' would idle the GPU); at M = 4096 the GPU time dominates and 'fast' wins. Each

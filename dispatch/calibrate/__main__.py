@@ -187,7 +187,8 @@ class Run:
                 case = self.case(f, s.rep, f.dtype, m, features)
                 names = [n for n in self.names(case) if n not in dropped]
                 points[m] = self.point(case, contenders(names, points, s.partial), timed)
-            pending = [m for m in to_bisect(points, self.plan.ratio) if m not in points and self.left() > 0]
+            new = to_bisect(points, self.plan.ratio, preference(f.mode), self.plan.device.type == "cuda")
+            pending = [m for m in new if m not in points and self.left() > 0]
         held = []
         cap = self.plan.m_cap(f.op, features, f.dtype)
         for m in held_out_ms(sorted(points), cap, f"{s.label} {features}"):

@@ -409,14 +409,21 @@ def hopeless_in(points: list[dict], partial: frozenset[str] = frozenset()) -> se
     return {n for n in names if all(_hopeless(n, p, partial) for p in timed if n in costs(p))}
 
 
-def to_bisect(points: dict[int, dict], ratio: float) -> list[int]:
-    """New M between neighbouring measured points whose winners differ and that are still far apart; a
-    multiple of 16 where one lies between (Triton specializes on divisibility by 16: the kernels
-    compiled ahead for the grid serve it)."""
+def to_bisect(
+    points: dict[int, dict], ratio: float, order: tuple[str, ...] = PREFERENCE, pooled: bool = False
+) -> list[int]:
+    """New M between neighbouring measured points whose winners (in the mode's ``order``) differ and that
+    are still far apart; a multiple of 16 where one lies between (Triton specializes on divisibility by
+    16: the kernels compiled ahead for the grid serve it). ``pooled`` (a GPU): winners by the series'
+    median host costs, as the table decides by pooled ones; by each point's own, gpt2.up relu inference
+    had cuBLASLt win at 4096 and 65536 and went unbisected, while pooled costs give eager 4096, and the
+    held-out 8192 read cuBLASLt 1.41x faster than the table's eager (H200, 2026-12-04)."""
     ms = sorted(m for m, p in points.items() if costs(p))
+    host = series_host(list(points.values())) if pooled else None
+    pick = {m: rank(costs(points[m], host), order)[0] for m in ms}
     new = []
     for a, b in itertools.pairwise(ms):
-        if winner(points[a]) != winner(points[b]) and b / a > ratio and b - a > 1:
+        if pick[a] != pick[b] and b / a > ratio and b - a > 1:
             mid = round(math.sqrt(a * b))
             if mid > 16 and (a // 16 + 1) * 16 < b:
                 mid = min(max(round(mid / 16) * 16, (a // 16 + 1) * 16), (b - 1) // 16 * 16)
