@@ -175,7 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     p.add_argument("--models", nargs="+", choices=list(HELD_OUT), default=list(HELD_OUT))
     p.add_argument(
-        "--workers", type=int, help="processes compiling ahead (GPU default: CPU cores - 2, at most 12)"
+        "--workers", type=int, help="processes compiling ahead (GPU default: CPU cores - 1, at most 15)"
     )
     p.add_argument("--out", help="every case's timings and score as JSON")
     args = p.parse_args(argv)

@@ -403,9 +403,10 @@ def test_budget_is_shared_by_the_families_and_resume_continues(user_dir, clocks)
 
 
 def test_a_run_the_budget_stops_has_whole_classes(user_dir, clocks):
-    """A series' members are checked right after it: each first call sleeps 0.4 s (a compile), so a 3 s
-    budget stops the run partway through its sizes, and every measured representative has every member
-    of its class beside it."""
+    """A series' members are checked right after it, also past the deadline: each first call sleeps
+    0.4 s (a compile), so a 3 s budget stops the run partway through its sizes, and every measured
+    representative has every member of its class beside it, with its winners checked ('flat' compiles
+    nothing, so its checks run past the deadline too)."""
     _, _, delay = clocks
     delay[("flat", False, False)] = delay[("eager", False, False)] = 0.4
     out = user_dir / "t.json"
@@ -413,12 +414,46 @@ def test_a_run_the_budget_stops_has_whole_classes(user_dir, clocks):
     assert calibrate.main(args(out, "--budget", "3", acts=acts, features=("32", "40", "48", "56"))) == 0
     data = heuristics.load_table(str(out)).data
     assert data["settings"]["stopped_by_budget"]
-    have = {(e["activation"], e["features"][0], e["dropout"]) for e in data["entries"]}
+    have = {(e["activation"], e["features"][0], e["dropout"]): e for e in data["entries"]}
     reps = {(a, n, d) for a, n, d in have if a in ("gelu", "relu")}
     assert {(a, n) for a, n, d in reps if not d} and len(reps) < 16  # stopped partway
     for rep, n, d in reps:
         cls = next(c for c in plan.CLASSES["bias_act_dropout"] if rep in c)
-        assert {(a, n, d) for a in cls if a in acts} <= have, (rep, n, d, sorted(have))
+        assert {(a, n, d) for a in cls if a in acts} <= set(have), (rep, n, d, sorted(have))
+        if "flat" in {s["backend"] for s in have[(rep, n, d)]["segments"]}:
+            for a in (a for a in cls[1:] if a in acts):
+                assert "flat" in {s["backend"] for s in have[(a, n, d)]["segments"]}, (a, n, d)
+
+
+def test_a_check_skipped_past_the_deadline_is_made_by_resume(user_dir, clocks, monkeypatch):
+    """'fast' compiles per kind of call and wins everywhere: past the deadline a member's check by it is
+    skipped (it would compile), so the member runs eager there and the run says it stopped; --resume
+    checks it and the member gets 'fast' as its representative did."""
+    gpu, host, _ = clocks
+    register(monkeypatch, eager_twin("fast", compiles=True))
+    gpu["fast"], host["fast"] = (lambda m: 1.0), (lambda m: 1.0)
+    out = user_dir / "t.json"
+    monkeypatch.setattr(cli, "END_S", 0.0)
+    # the deadline passes once the first series has its entry
+    monkeypatch.setattr(cli.Run, "left", lambda self: -1.0 if self.entries else 1.0)
+    many = dict(acts=("gelu", "gelu_tanh"), backends=("fast",))
+    assert calibrate.main(args(out, "--budget", "600", **many)) == 0
+    data = heuristics.load_table(str(out)).data
+    member = next(e for e in data["entries"] if e["activation"] == "gelu_tanh" and not e["dropout"])
+    assert [s["backend"] for s in member["segments"]] == ["eager"] and data["settings"]["stopped_by_budget"]
+    assert cli.UNCHECKED in {why for p in member["points"] for why in p["rejected"].values()}
+    monkeypatch.undo()
+    register(monkeypatch, eager_twin("fast", compiles=True))
+    assert calibrate.main(args(out, "--resume", "--budget", "600", **many)) == 0
+    data = heuristics.load_table(str(out)).data
+    member = next(e for e in data["entries"] if e["activation"] == "gelu_tanh" and not e["dropout"])
+    assert {s["backend"] for s in member["segments"]} == {"fast"}
+    assert not data["settings"]["stopped_by_budget"]
+
+
+def test_agree_without_refit_is_refused():
+    with pytest.raises(SystemExit, match="--refit"):
+        calibrate.main(["--agree", "x.json"])
 
 
 def test_refresh_measures_the_selected_families_again_and_keeps_the_rest(user_dir, clocks):

@@ -30,14 +30,15 @@ from tqdm import tqdm
 from dispatch import cases, heuristics, select, timing
 from dispatch.calibrate import measure, report, warm
 from dispatch.calibrate.plan import (
-    BASELINE, FAMILY_ORDER, MODES, NOISE, PREFERENCE, PREFERENCE_INFERENCE, Family, Plan, Series, contenders,
-    default_plan, fit, held_out_ms, hopeless_in, preference, runs, series_of, spread, to_bisect,
+    BASELINE, FAMILY_ORDER, MODES, NOISE, PREFERENCE, PREFERENCE_INFERENCE, Family, Plan, Series, compiling,
+    contenders, default_plan, fit, held_out_ms, hopeless_in, preference, runs, series_of, spread, to_bisect,
 )  # fmt: skip
 from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.registry import OPS, backends
 from dispatch.table import runs_of
 
 SAVE_EVERY_S = 30.0
+UNCHECKED = "not parity-checked: the budget was spent"  # such an entry is measured again by --resume
 END_S = 5.0  # kept from the budget (at most a tenth) for the self-check, the bandwidth probe, writing
 
 
@@ -124,8 +125,12 @@ class Run:
         return work
 
     def _done(self, s: Series, features: tuple, members: list) -> bool:
-        keys = [self._entry_key(s.family, a, d, features) for a, d in members]
-        return all(k in self.entries and not self.refresh(self.entries[k]) for k in keys)
+        return all(self._complete(self._entry_key(s.family, a, d, features)) for a, d in members)
+
+    def _complete(self, key: tuple) -> bool:
+        """Measured, not selected by --refresh, and no check left out for want of time."""
+        e = self.entries.get(key)
+        return e is not None and not self.refresh(e) and not _unchecked(e)
 
     def _entry_key(self, f: Family, act: str, dtype: torch.dtype, features: tuple) -> tuple:
         return (f.op, _dt(dtype), act, f.mode, f.dropout, tuple(features))
@@ -142,8 +147,8 @@ class Run:
             start = time.monotonic()
             (self.series if kind == "series" else self.members)(s, features)
             if kind == "series" and self.queue[fam][:1] == [("members", s, features)]:
-                self.members(*self.queue[fam].pop(0)[1:])  # past the deadline too: checks that would
-                # compile are skipped then, and the class has its entries
+                self.members(*self.queue[fam].pop(0)[1:])  # past the deadline too: the class has its
+                # entries, without the checks that would compile (--resume adds them)
             self.spent[fam] += time.monotonic() - start
             self.bar.update(kind == "series")
             if time.monotonic() - saved > SAVE_EVERY_S:
@@ -212,8 +217,7 @@ class Run:
         f = s.family
         rep = self.entries.get(self._entry_key(f, s.rep, f.dtype, features))
         for act, dtype in s.members if rep is not None else []:
-            key = self._entry_key(f, act, dtype, features)
-            if key in self.entries and not self.refresh(self.entries[key]):
+            if self._complete(self._entry_key(f, act, dtype, features)):
                 continue
             points = []
             for p in rep["points"]:
@@ -223,13 +227,13 @@ class Run:
             self.add(s, act, dtype, features, points, [], compiled=False)
 
     def gate(self, case: cases.Case, name: str, compiled: bool) -> list:
-        """[passed, error, why] of ``name`` at ``case``, cached. A check that may compile (not eager, at an
-        activation or dtype it was not timed at: 7-10 s for inductor on 2 CPU cores) runs only while
-        time is left; otherwise the backend is left out there."""
+        """[passed, error, why] of ``name`` at ``case``, cached. A check by a backend that compiles per kind
+        of call, at an activation or dtype it was not timed at (7-10 s for inductor on 2 CPU cores), runs
+        only while time is left; otherwise the backend is left out there (UNCHECKED)."""
         key = (case, name)
         if key not in self.gates:
-            if not compiled and name != "eager" and self.left() <= 0:
-                return [False, None, "not parity-checked: the budget was spent"]
+            if not compiled and name in compiling() and self.left() <= 0:
+                return [False, None, UNCHECKED]
             start = time.monotonic()
             try:
                 if self._inputs is None or self._inputs[0] != case:
@@ -246,16 +250,16 @@ class Run:
     ) -> list:
         """Segments whose every winner, by cost and by GPU time alone (the captured pick; unchecked, refit
         dropped triton at 21 of 751 H200 points, up to 1.25x faster than eager), matched the reference at
-        its run's largest M within the check cap and, in a measured series, its smallest M (a member, whose
-        small-M kernels the representative's check ran, once a run: 600 checks had taken 65 s of a full
-        run); a failing winner leaves those points and the fit is redone."""
+        its run's smallest M and its largest M within the check cap (a member too: Triton's bias_act_dropout
+        runs another kernel, compiled per activation, up to 64 rows); a failing winner leaves those points
+        and the fit is redone."""
         f, order = s.family, preference(s.family.mode)
         cap = self.plan.check_cap(f.op, features)
         while True:
             todo = []
             for name, pts in runs(points, order=order) + runs(points, order=order, by_gpu=True):
                 under = [p for p in pts if p["m"] <= cap]
-                ends = (pts[0], under[-1] if under else pts[0])[0 if compiled else 1 :]
+                ends = (pts[0], under[-1] if under else pts[0])
                 todo += [(name, p) for p in {id(p): p for p in ends}.values() if name not in p["err"]]
             if not todo:
                 return fit(points, order)
@@ -295,7 +299,7 @@ class Run:
             "timer": "gpu_us: triton.testing.do_bench_cudagraph (events at >= 5 ms); host_us: perf_counter "
                      "behind torch.cuda._sleep" if gpu else "gpu_us = host_us = perf_counter (no GPU clock)",
             "budget_s": self.plan.budget_s, "in_progress": in_progress,
-            "stopped_by_budget": any(left.values()),
+            "stopped_by_budget": any(self.queue.values()) or any(map(_unchecked, entries)),
             "series_measured": sum(  # of this run's families: a refresh keeps the others' entries too
                 e["activation"] == e["measured_as"] and "measured_dtype" not in e
                 and (e["op"], e["dtype"], e["mode"], e["dropout"]) in planned for e in entries),
@@ -314,6 +318,10 @@ class Run:
             "backends": {n: b.display_name() for n, b in sorted(backends().items()) if n in served},
             "entries": entries,
         }  # fmt: skip
+
+
+def _unchecked(e: dict) -> bool:
+    return any(why == UNCHECKED for p in e["points"] for why in p.get("rejected", {}).values())
 
 
 def _previous(path: str, info: dict) -> Optional[dict]:
@@ -361,6 +369,8 @@ def _bandwidth_gbs(device: torch.device) -> Optional[float]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.agree and not args.refit:
+        sys.exit("--agree compares a refitted calibration with another: give --refit RAW too")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks would each measure and write the same table
         sys.exit("python -m dispatch.calibrate runs in one process: run it without torchrun, on one GPU")
     if args.refit:

@@ -197,7 +197,7 @@ class Clock:
             if may_start(name):
                 run(name, t)
             else:
-                out[name] = "not started: the family's budget is spent"
+                out[name] = "not started: the budget is spent"
         best = min((e for n, e in est.items() if n != BASELINE), default=0.0)
         hopeless = lambda n: n != BASELINE and est[n] >= SKIP_MS and est[n] > HOPELESS_X * best  # noqa: E731
         for name in [n for n in est if hopeless(n)]:
