@@ -33,6 +33,7 @@ from dispatch.calibrate.plan import (
     BASELINE, FAMILY_ORDER, MODES, NOISE, PREFERENCE, PREFERENCE_INFERENCE, Family, Plan, Series, compiling,
     contenders, default_plan, fit, held_out_ms, hopeless_in, preference, runs, series_of, spread, to_bisect,
 )  # fmt: skip
+from dispatch.calibrate.report import entry_key as _key
 from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.registry import OPS, backends
 from dispatch.table import runs_of
@@ -80,10 +81,6 @@ def make_plan(args: argparse.Namespace, device: torch.device) -> Plan:
     return plan
 
 
-def _key(e: dict) -> tuple:
-    return (e["op"], e["dtype"], e["activation"], e["mode"], e["dropout"], tuple(e["features"]))
-
-
 def _dt(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -115,11 +112,11 @@ class Run:
         for fam in families:
             self.queue[fam], every = [], series_of(self.plan, fam, activations)
             for features in self.plan.sizes(fam.op, fam.dtype):
-                for s in every:  # a series, then its members (in the same task: whole classes)
+                for s in every:  # a series' task checks its members too (a stopped run has whole classes)
                     if not self._done(s, features, [(s.rep, fam.dtype)]):
                         self.queue[fam].append(("series", s, features))
                         work.append((s, features))
-                    if not self._done(s, features, s.members):
+                    elif not self._done(s, features, s.members):
                         self.queue[fam].append(("members", s, features))
             self.planned[fam] = len(every) * len(self.plan.sizes(fam.op, fam.dtype))
         return work
@@ -145,10 +142,11 @@ class Run:
             fam = min((f for f in self.queue if self.queue[f]), key=lambda f: self.spent[f] / self.planned[f])
             kind, s, features = self.queue[fam].pop(0)
             start = time.monotonic()
-            (self.series if kind == "series" else self.members)(s, features)
-            if kind == "series" and self.queue[fam][:1] == [("members", s, features)]:
-                self.members(*self.queue[fam].pop(0)[1:])  # past the deadline too: the class has its
-                # entries, without the checks that would compile (--resume adds them)
+            if kind == "series":
+                self.series(s, features)
+            # past the deadline too: the class has its entries, without checks that would compile
+            # (--resume makes them)
+            self.members(s, features)
             self.spent[fam] += time.monotonic() - start
             self.bar.update(kind == "series")
             if time.monotonic() - saved > SAVE_EVERY_S:

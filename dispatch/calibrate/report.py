@@ -25,7 +25,8 @@ WITHIN = 0.05
 AGREE_M = tuple(4**i for i in range(9))  # 1 .. 65536: every other token count of the choice tables
 
 
-def _key(e: dict) -> tuple:
+def entry_key(e: dict) -> tuple:
+    """What names an entry: op, dtype, activation, mode, dropout, features."""
     return (e["op"], e["dtype"], e["activation"], e["mode"], e["dropout"], tuple(e["features"]))
 
 
@@ -53,10 +54,10 @@ def picks(doc: dict) -> list[tuple[dict, dict, Optional[str], Optional[str]]]:
 def agreement(a: dict, b: dict) -> tuple[float, int]:
     """The share of cells (entries both documents have, at each of AGREE_M) where both pick alike."""
     ta, tb = heuristics.Table(a, "<a>"), heuristics.Table(b, "<b>")
-    keys = {_key(e) for e in a["entries"]}
+    keys = {entry_key(e) for e in a["entries"]}
     cells = same = 0
     for e in b["entries"]:
-        if _key(e) in keys:
+        if entry_key(e) in keys:
             for m in AGREE_M:
                 ca, cb = ta.choose(case_of(e, m).call()), tb.choose(case_of(e, m).call())
                 cells += 1
