@@ -17,11 +17,11 @@ from typing import Optional, Sequence
 import torch
 from tabulate import tabulate
 
-from dispatch import heuristics
+from dispatch import heuristics, ops
 from dispatch.registry import Backend, Call, backends
 from dispatch.select import ENV_VAR
 
-PROBE_SHAPES = {"bias_act_dropout": (4096, 4096), "fused_linear": (4096, 4096, 4096)}  # a typical call
+PROBE_SIZE = 4096  # every dim of a typical call
 
 
 def _version(package: str) -> str:
@@ -33,8 +33,10 @@ def _version(package: str) -> str:
 
 def _device_line(device: torch.device) -> str:
     if device.type != "cuda":
-        cuda = "no CUDA GPU" if not torch.cuda.is_available() else "CUDA GPU present, not selected"
-        return f"{device} ({platform.processor() or platform.machine()}, {cuda})"
+        cuda = "no CUDA GPU" if not torch.cuda.is_available() else "a CUDA GPU present, not selected"
+        info = heuristics.device_info(device)
+        threads = f"{info['threads']} thread{'s' if info['threads'] != 1 else ''}"
+        return f"{device}: {info['name']}, {threads} ({cuda})"
     props = torch.cuda.get_device_properties(device)
     gib = props.total_memory / 2**30
     sms = props.multi_processor_count
@@ -42,28 +44,48 @@ def _device_line(device: torch.device) -> str:
 
 
 def _probe(backend: Backend, device: torch.device) -> list[str]:
-    """Why the dispatcher would not pick ``backend`` on its own for a typical float32 gelu call of each
-    op it implements on ``device`` ([] if it would)."""
+    """Why the dispatcher would not pick ``backend`` on its own for a typical float32 gelu call (the op's
+    first activation where it has no gelu) of each op it implements on ``device`` ([] if it would)."""
     reasons: list[str] = []
-    for op, shape in PROBE_SHAPES.items():
-        if op not in backend.ops:
+    for spec in ops.all_specs():
+        if not backend.implements(spec.name):
             continue
-        call = Call(op, device, torch.float32, shape, "gelu", False, True)
+        activation = "gelu" if "gelu" in spec.activations else spec.activations[0]
+        shape = (PROBE_SIZE,) * len(spec.dims)
+        call = Call(spec.name, device, torch.float32, shape, activation, False, True)
         reasons += [r for r in backend.not_supported_reasons(call, explicit=False) if r not in reasons]
     return reasons
 
 
+def _env_backend_problem() -> str:
+    """Why ``DISPATCH_BACKEND`` would make calls fail ('' where it is unset or names a usable backend)."""
+    name = os.environ.get(ENV_VAR)
+    if not name:
+        return ""
+    known = backends()
+    if name not in known:
+        return (
+            f"{ENV_VAR}={name} is not a registered backend ({', '.join(known)}): every call without "
+            "backend= raises ValueError"
+        )
+    why_not = known[name].unavailable()
+    return f"{ENV_VAR}={name} cannot run here ({why_not}): its calls raise ValueError" if why_not else ""
+
+
 def report(device: torch.device) -> str:
+    torch_cuda = f" (CUDA {torch.version.cuda})" if torch.version.cuda else " (no CUDA)"
     lines = [
         f"fusedispatch {_version('fusedispatch')}: python {platform.python_version()}, "
-        f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), triton {_version('triton')}",
+        f"torch {torch.__version__}{torch_cuda}, triton {_version('triton')}",
         f"device: {_device_line(device)}",
         f"heuristics: {heuristics.describe(device)}",
         f"{ENV_VAR}: {os.environ.get(ENV_VAR) or '(unset: the table decides)'}",
         f"{heuristics.ENV_DIR}: {os.environ.get(heuristics.ENV_DIR) or '(unset)'} "
         f"(user tables are read from {heuristics.user_dir()})",
-        "",
     ]
+    problems = [p for p in (_env_backend_problem(), heuristics.user_dir_problem()) if p]
+    problems += [f"skipped heuristics table {path}: {why}" for path, why in heuristics.skipped_tables()]
+    lines += [f"warning: {p}" for p in problems] + [""]
     rows, notes = [], []
     for name, backend in backends().items():
         why_not = backend.unavailable()
@@ -74,7 +96,7 @@ def report(device: torch.device) -> str:
                 name,
                 "no" if why_not else "yes",
                 "no" if why_not or probe else "yes",
-                " ".join(backend.ops) or "-",
+                " ".join(op for op in ops.names() if backend.implements(op)) or "-",
                 dtypes,
                 "yes" if backend.deterministic else "no",
                 backend.label() if backend.display_name() != name else "",

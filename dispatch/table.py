@@ -1,8 +1,8 @@
 """python -m dispatch.table: print the backend-choice tables of a heuristics table.
 
-Rows are token-count buckets M, columns feature sizes (N, or N,K for fused_linear), each cell the
-backend lookup chooses there and its measured speedup over plain PyTorch (the composite a user
-writes; schema 1 tables, which did not time it, over the eager backend). Activations whose cells are
+Rows are token-count buckets M, columns feature sizes (the op's dims after M: N, or N,K for
+fused_linear), each cell the backend lookup chooses there and its measured speedup over plain PyTorch
+(the composite a user writes; schema 1 tables, which did not time it, over the eager backend). Activations whose cells are
 all equal share one table. ``--gpu`` takes a device slug or name (nvidia-h200, "NVIDIA H200"), or a path.
 """
 
@@ -18,10 +18,11 @@ from typing import Optional, Sequence
 import torch
 from tabulate import tabulate
 
-from dispatch import heuristics
-from dispatch.calibrate.plan import BASELINE, costs, preference, rank
-from dispatch.registry import Call
+from dispatch import heuristics, ops
+from dispatch.contracts.activations import ACTIVATION_NAMES
+from dispatch.contracts.backend import Call
 from dispatch.contracts.shapes import TOKENS
+from dispatch.heuristics.ranking import BASELINE, costs, preference, rank
 
 LEGEND = (
     "cell: backend and its speedup over {base} measured at that M (~: at the nearest measured M where "
@@ -79,7 +80,7 @@ def _grid(table: heuristics.Table, entries: list[dict]) -> tuple[list[str], list
             choice = table.choose(call)
             row.append(f"{choice.backend}{_speedup(e, m, choice.backend, table.version)}" if choice else "-")
         rows.append(row)
-    return ["M \\ " + ("N,K" if entries[0]["op"] == "fused_linear" else "N")] + [
+    return ["M \\ " + ",".join(ops.get(entries[0]["op"]).dims[1:])] + [
         ",".join(map(str, e["features"])) for e in entries
     ], rows
 
@@ -123,16 +124,21 @@ def render(
         out.append("no entries match these filters")
     slim = any("points" not in e for e in table.data["entries"])
     legend = LEGEND.format(base="eager" if table.version == 1 else "plain PyTorch")
-    legend += (HOST_LEGEND if table.version >= 2 else "") + (SLIM_LEGEND if slim else "")
+    legend += HOST_LEGEND if table.version >= 2 and not table.one_clock else ""
+    legend += SLIM_LEGEND if slim else ""
     return "\n".join(out + [legend] + provenance(table))
 
 
 def runs_of(settings: dict, date: Optional[str] = None) -> list[dict]:
-    """A table's history (settings.runs: the run that started it, then its refreshes); a table from
-    before that history has its one run."""
+    """A table's history (settings.runs: the run that started it, then its refreshes and the runs made
+    over it); a table from before that history has its one run."""
     runs = [dict(r) for r in settings.get("runs") or []]
     kind = "quick" if settings.get("quick") else "full"
     return runs or [{"run": kind, "date": date, "elapsed_s": settings.get("elapsed_s", 0.0), "parts": 1}]
+
+
+def _since(run: dict) -> str:
+    return f"{', '.join(run.get('families') or ['?'])} ({run['elapsed_s']:.0f} s, {run.get('date')})"
 
 
 def _history(settings: dict) -> str:
@@ -141,45 +147,56 @@ def _history(settings: dict) -> str:
     first = runs[0]
     parts = f" in {first['parts']} parts" if first.get("parts", 1) > 1 else ""
     text = f"{first['run']} run of {first['elapsed_s']} s{parts}"
-    refreshes = [r for r in runs[1:] if r["run"] == "refresh"]
+    refreshes = [_since(r) for r in runs[1:] if r["run"] == "refresh"]
     if refreshes:
-        text += "; refreshed since: " + "; ".join(
-            f"{', '.join(r['families'])} ({r['elapsed_s']:.0f} s, {r.get('date')})" for r in refreshes
-        )
+        text += "; refreshed since: " + "; ".join(refreshes)
+    # a plain run over an existing table measures its families again and keeps the other entries
+    again = [f"{r['run']}: {_since(r)}" for r in runs[1:] if r["run"] != "refresh"]
+    if again:
+        text += "; measured again since by " + "; ".join(again)
     return text
+
+
+def _device(d: dict, one_clock: bool) -> str:
+    """The device line: a GPU's properties; a CPU's model and the thread count it was timed with."""
+    if d.get("type") == "cuda":
+        cap = ".".join(map(str, d.get("capability") or [])) or "-"
+        return (
+            f"device: {d.get('name')} ({d.get('slug')}, cuda, capability {cap}, "
+            f"{d.get('sm_count', '-')} SMs, copy bandwidth {d.get('measured_bandwidth_gbs') or '-'} GB/s)"
+        )
+    threads = d.get("threads")
+    timed = f", timed with {threads} thread{'s' if threads != 1 else ''}" if threads else ""
+    clock = ", wall time (one clock)" if one_clock else ""
+    return f"device: {d.get('name')} ({d.get('slug')}, {d.get('type')}{timed}{clock})"
 
 
 def provenance(table: heuristics.Table) -> list[str]:
     """Where a table comes from: device, versions, date, run settings, backends, self-check."""
-    d, v, s = table.data["device"], table.data.get("versions", {}), table.data.get("settings", {})
-    cap = ".".join(map(str, d.get("capability") or [])) or "-"
+    v, s = table.data.get("versions", {}), table.data.get("settings", {})
     run = _history(s)
-    device = (
-        f"device: {d.get('name')} ({d.get('slug')}, {d.get('type')}, capability {cap}, "
-        f"{d.get('sm_count', '-')} SMs, copy bandwidth {d.get('measured_bandwidth_gbs') or '-'} GB/s)"
-    )
     stopped = ", stopped by its budget" if s.get("stopped_by_budget") else ""
-    versions = f"torch {v.get('torch')}, triton {v.get('triton')}, cuda {v.get('cuda')}"
+    versions = ", ".join(f"{k} {v[k]}" for k in ("torch", "triton", "cuda") if v.get(k))
     rule = f"ties within {s.get('noise', 0):.0%} go to {' > '.join(s.get('preference', []))}"
     if s.get("preference_inference"):
         rule += f" ({' > '.join(s['preference_inference'])} without autograd)"
     if table.version >= 2:
-        rule = f"the cheapest by max(GPU time, host cost) wins; {rule}"
+        rule = f"{table.rule} wins; {rule}"
     lines = [
         f"table: {table.path}",
-        device,
-        f"calibrated {table.data.get('date')} with {versions}; {run}{stopped}",
+        _device(table.device, table.one_clock),
+        f"calibrated {table.data.get('date')} with {versions or 'unrecorded versions'}; {run}{stopped}",
         f"{rule}; backends timed: {', '.join(table.data.get('backends', {}).values())}",
     ]
     if table.data.get("raw_points"):
         lines.append(f"raw measured points: {table.data['raw_points']['file']}")
     check = table.data.get("self_check") or {}
     if check.get("points"):
-        base = "eager" if table.version == 1 else "pytorch"
+        base, against = ("eager", "eager") if table.version == 1 else ("pytorch", "plain PyTorch")
         lines.append(
             f"self-check: {check['within_5pct']:.0%} of {check['points']} held-out points within 5% of the "
             f"fastest, worst regret {check['worst_regret'] or 0:+.1%}, "
-            f"worst vs {'eager' if base == 'eager' else 'plain PyTorch'} {check[f'worst_vs_{base}'] or 0:+.1%}"
+            f"worst vs {against} {check[f'worst_vs_{base}'] or 0:+.1%}"
             + (
                 f" ({check['confirmed_points']} missed picks timed again)"
                 if check.get("confirmed_points")
@@ -190,16 +207,14 @@ def provenance(table: heuristics.Table) -> list[str]:
 
 
 def find(gpu: Optional[str]) -> Optional[heuristics.Table]:
-    """The table for a path, a slug or a device name; the running device's table when ``gpu`` is None."""
+    """The table for a path, a slug or a device name; the table serving this machine's device (its own,
+    else the nearest, as lookups use) when ``gpu`` is None."""
     if gpu and os.path.isfile(gpu):
         return heuristics.load_table(gpu)
     if gpu is None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
-        gpu = heuristics.device_info(device)["slug"]
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return heuristics.table_for(device)[0]
     slug = heuristics.slugify(gpu)
     return next((t for t in heuristics.all_tables() if t.slug == slug), None)
 
@@ -207,10 +222,10 @@ def find(gpu: Optional[str]) -> Optional[heuristics.Table]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dispatch.table", description=__doc__.split("\n")[0])
     p.add_argument("--gpu", help="device slug or name, or a table's path (default: this machine's device)")
-    p.add_argument("--op", choices=("bias_act_dropout", "fused_linear"))
+    p.add_argument("--op", choices=ops.names())
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--activation")
-    p.add_argument("--mode", choices=("inference", "training"))
+    p.add_argument("--activation", choices=ACTIVATION_NAMES)
+    p.add_argument("--mode", choices=heuristics.MODES)
     args = p.parse_args(argv)
     table = find(args.gpu)
     if table is None:

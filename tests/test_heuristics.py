@@ -100,7 +100,7 @@ def dirs(tmp_path, monkeypatch):
     user.mkdir()
     shipped.mkdir()
     monkeypatch.setenv(heuristics.ENV_DIR, str(user))
-    monkeypatch.setattr(heuristics, "SHIPPED_DIR", str(shipped))
+    monkeypatch.setattr(heuristics.catalog, "SHIPPED_DIR", str(shipped))
     heuristics.reload()
     select.clear_cache()
     yield user, shipped
@@ -179,7 +179,7 @@ def test_unknown_gpu_uses_nearest_capability_with_one_warning(dirs, monkeypatch)
         "capability": [8, 0],
         "peak_bandwidth_gbs": None,
     }
-    monkeypatch.setattr(heuristics, "device_info", lambda device: fake)
+    monkeypatch.setattr(heuristics.catalog, "device_info", lambda device: fake)
     cuda = torch.device("cuda", 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dispatch import heuristics
-from dispatch import explain, fused_bias_act_dropout, fused_linear, select
+from dispatch import explain, fused_bias_act_dropout, fused_linear, ops, select
 from dispatch.calibrate import __main__ as calibrate_cli
 from dispatch import table as table_cli
 from dispatch.registry import Call
@@ -147,7 +147,7 @@ def user_dir(tmp_path, monkeypatch):
     user = tmp_path / "user"
     user.mkdir()
     monkeypatch.setenv(heuristics.ENV_DIR, str(user))
-    monkeypatch.setattr(heuristics, "SHIPPED_DIR", str(tmp_path / "none"))
+    monkeypatch.setattr(heuristics.catalog, "SHIPPED_DIR", str(tmp_path / "none"))
     assert heuristics.user_dir() == str(user)
     heuristics.reload()
     select.clear_cache()
@@ -322,7 +322,7 @@ BROKEN = {  # id: (mutation, what the warning says)
     "op-missing": (set_at((*E0, "op"), DELETE), "entries[0].op is missing"),
     "op-unknown": (
         set_at((*E0, "op"), "matmul"),
-        'entries[0].op must be "bias_act_dropout" or "fused_linear", got "matmul"',
+        f'entries[0].op must be {" or ".join(map(json.dumps, ops.names()))}, got "matmul"',  # the known ops
     ),
     "dtype-int8": (set_at((*E0, "dtype"), "int8"), "entries[0].dtype must be a floating-point dtype's name"),
     "dtype-nonsense": (
