@@ -1,10 +1,10 @@
 """Drop-in modules over the two fused ops: ``FusedLinear`` and ``FusedBiasActDropout``.
 
-``FusedLinear`` is ``nn.Linear`` followed by an activation: same parameters (``weight`` (out, in),
-``bias`` (out,)), same initialization, so an ``nn.Linear`` state_dict loads unchanged. With
-``transposed=True`` it stores the weight (in, out) as Hugging Face's ``Conv1D`` does (whose state_dict
-then loads unchanged) and passes the op its transposed view: cuBLAS and the Triton kernels read either
-layout in place, and under ``torch.compile`` the GEMMs are the Conv1D's own.
+``FusedLinear`` is ``nn.Linear`` followed by an activation and, with ``dropout=p``, a dropout: same
+parameters (``weight`` (out, in), ``bias`` (out,)), same initialization, so an ``nn.Linear`` state_dict
+loads unchanged. With ``transposed=True`` it stores the weight (in, out) as Hugging Face's ``Conv1D``
+does (whose state_dict then loads unchanged) and passes the op its transposed view: cuBLAS and the
+Triton kernels read either layout in place, and under ``torch.compile`` the GEMMs are the Conv1D's own.
 ``FusedBiasActDropout`` owns a bias and computes Dropout(Activation(x + bias)) in one pass.
 
 Autocast: under ``torch.autocast`` for x's device type with a half dtype (float16, bfloat16), x,
@@ -55,13 +55,22 @@ def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return t.to(dtype)
 
 
+def _check_p(name: str, p: object) -> float:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {p!r}")
+    return float(p)
+
+
 class FusedLinear(nn.Module):
     """Activation(x @ weight.T + bias): ``nn.Linear`` plus an activation, fused in the matmul epilogue.
 
     Equivalent PyTorch::
 
-        act(nn.Linear(in_features, out_features, bias)(x))
+        nn.Dropout(dropout)(act(nn.Linear(in_features, out_features, bias)(x)))
 
+    ``dropout`` (default 0): in training mode with ``dropout > 0`` bias, activation and dropout run in
+    one ``fused_bias_act_dropout`` pass after the GEMM (the mask regenerated in backward, never
+    stored); otherwise, as with no dropout, bias and activation are the GEMM's epilogue.
     ``transposed``: ``weight`` is stored (in_features, out_features), Hugging Face ``Conv1D``'s layout
     (``dispatch.patch`` reuses a Conv1D's parameter this way); the function is the same.
     """
@@ -75,6 +84,7 @@ class FusedLinear(nn.Module):
         device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
         *,
+        dropout: float = 0.0,
         transposed: bool = False,
     ) -> None:
         super().__init__()
@@ -84,6 +94,7 @@ class FusedLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.activation = activation
+        self.dropout = _check_p("dropout", dropout)
         self.transposed = transposed
         factory = {"device": device, "dtype": dtype}
         shape = (in_features, out_features) if transposed else (out_features, in_features)
@@ -104,6 +115,11 @@ class FusedLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1:] != (self.in_features,):
+            raise ValueError(
+                f"x's last dimension must be in_features={self.in_features} of this FusedLinear, "
+                f"got x of shape {tuple(x.shape)}"
+            )
         weight, bias = self.weight, self.bias
         dtype = _autocast_dtype(x)
         if dtype is not None:
@@ -113,12 +129,16 @@ class FusedLinear(nn.Module):
             # view out (out, in) and feeds the GEMM that copy, 48 extra transposing copy kernels a step
             # in compiled patched GPT-2 (H200, 2026-11-30; benchmarks/PERF.md)
             weight = weight.t()
-        return fused_linear(x, weight, bias, self.activation)
+        if not self.training or self.dropout == 0.0:
+            return fused_linear(x, weight, bias, self.activation)
+        y = fused_linear(x, weight, None)
+        return fused_bias_act_dropout(y, bias, self.activation, self.dropout, True)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, activation={self.activation!r}"
+            + (f", dropout={self.dropout}" if self.dropout else "")
             + (", transposed=True" if self.transposed else "")
         )
 
@@ -126,8 +146,8 @@ class FusedLinear(nn.Module):
 class FusedBiasActDropout(nn.Module):
     """Dropout(Activation(x + bias)) in one pass; the module owns the bias (N,), initialized to zero.
 
-    Dropout runs in training mode only (``module.training``) and follows ``dispatch.contracts.rng``'s spec: the
-    mask is regenerated in backward, never stored.
+    Dropout runs in training mode only (``module.training``) and follows ``dispatch.contracts.rng``'s
+    spec: the mask is regenerated in backward, never stored.
 
     Equivalent PyTorch::
 
@@ -145,11 +165,9 @@ class FusedBiasActDropout(nn.Module):
     ) -> None:
         super().__init__()
         get_activation(activation)
-        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
-            raise ValueError(f"p must be a number in [0, 1], got {p!r}")
         self.features = features
         self.activation = activation
-        self.p = float(p)
+        self.p = _check_p("p", p)
         if bias:
             self.bias = nn.Parameter(torch.zeros(features, device=device, dtype=dtype))
         else:

@@ -9,6 +9,8 @@ each factor's every value, not their product. On CPU it keeps to a 45 s ``--budg
 backends: compiling ones (inductor, nvfuser) took 10-75 s per case on 2 busy cores, so they may stop
 early, their remaining cases listed as skipped. CPU shapes are small: Triton runs there only through
 its interpreter (``TRITON_INTERPRET=1``), which parity includes, since it asks for backends by name.
+The last line counts the backend x op x dtype groups that ran and passed, and those not run or cut
+short, with each backend's cause (budget, unavailable, not supported).
 """
 
 from __future__ import annotations
@@ -24,25 +26,10 @@ import torch
 from tabulate import tabulate
 
 from dispatch import cases
-from dispatch.contracts.activations import ACTIVATION_NAMES
-from dispatch.registry import OPS, backends
+from dispatch import ops
+from dispatch.registry import backends
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# (M, N) for bias_act_dropout and (M, N, K) for fused_linear; odd sizes catch masking bugs at block edges.
-# --quick uses the first shape. CPU shapes stay small: Triton's interpreter took ~0.1 s per call at
-# 5x33 and ~3 s at 37x65x48 (fused_linear forward + backward) on 2 cores.
-SHAPES = {
-    "cpu": {
-        "bias_act_dropout": [(5, 33), (1, 7), (37, 130)],
-        "fused_linear": [(5, 17, 9), (1, 7, 3), (37, 65, 48)],
-    },
-    "cuda": {
-        "bias_act_dropout": [(1823, 781), (1, 7), (37, 1000), (4096, 4096)],
-        "fused_linear": [(1823, 781, 129), (1, 7, 3), (37, 300, 200), (2048, 4096, 1024)],
-    },
-}
-
-
 @dataclass
 class Row:
     backend: str
@@ -57,16 +44,19 @@ class Row:
 
 
 Case = tuple[str, str, torch.dtype, bool, tuple[int, ...]]  # op, activation, dtype, dropout, shape
+Group = tuple[str, str, str]  # backend, op, dtype: one row of the report
+BUDGET, UNAVAILABLE, UNSUPPORTED = "budget", "unavailable", "not supported"  # why a case was not run
 
 
 def grid(device: torch.device, quick: bool) -> list[Case]:
     """The cases, both ops interleaved and the most telling first (gelu, float32, dropout on), so a
     --budget that stops a slow backend early still leaves it checked on both ops."""
     per_op = []
-    for op in OPS:
-        shapes = SHAPES[device.type if device.type in SHAPES else "cuda"][op]
-        drops = (True, False) if op == "bias_act_dropout" else (False,)
-        acts = sorted(ACTIVATION_NAMES, key=lambda a: a != "gelu")
+    for spec in ops.all_specs():
+        op = spec.name
+        shapes = spec.grid.parity.get(device.type) or spec.grid.parity["cuda"]
+        drops = (True, False) if spec.dropout else (False,)
+        acts = sorted(spec.activations, key=lambda a: a != "gelu")
         if quick:
             shape = shapes[0]
             todo = [(op, a, torch.float32, drops[0], shape) for a in acts]
@@ -80,11 +70,13 @@ def grid(device: torch.device, quick: bool) -> list[Case]:
 
 def run(
     device: torch.device, quick: bool, only: Optional[Sequence[str]], budget: Optional[float]
-) -> tuple[list[Row], dict[str, set[str]]]:
-    """Checks every (backend, case); returns the rows and, per backend, why it skipped cases. Each
-    backend but eager gets an equal share of ``budget`` seconds (compiles included)."""
-    rows: dict[tuple[str, str, str], Row] = {}
+) -> tuple[list[Row], dict[str, set[str]], dict[Group, set[str]]]:
+    """Checks every (backend, case); returns the rows, per backend why it skipped cases, and per group
+    with skipped cases their causes (``BUDGET``, ``UNAVAILABLE``, ``UNSUPPORTED``). Each backend but
+    eager gets an equal share of ``budget`` seconds (compiles included)."""
+    rows: dict[Group, Row] = {}
     skipped: dict[str, set[str]] = {}
+    unrun: dict[Group, set[str]] = {}
     names = [n for n in backends() if only is None or n in only]
     spent = dict.fromkeys(names, 0.0)
     runnable = [n for n in names if n != "eager" and backends()[n].unavailable() is None]
@@ -94,16 +86,20 @@ def run(
         call = case.call()
         inp = refs = eager = None
         for name in names:
-            why = backends()[name].not_supported_reasons(call, explicit=True)
+            group, backend = (name, op, str(dtype)[6:]), backends()[name]
+            why = backend.not_supported_reasons(call, explicit=True)
+            cause = UNAVAILABLE if backend.unavailable() else UNSUPPORTED
             if not why and share is not None and name != "eager" and spent[name] > share:
                 why = [f"{name} used its share of --budget ({share:.0f} s); later cases were not run"]
+                cause = BUDGET
             if why:
                 skipped.setdefault(name, set()).update(why)
+                unrun.setdefault(group, set()).add(cause)
                 continue
             if inp is None:
                 inp = cases.make_inputs(case, seed=i)
                 refs, eager = cases.reference(case, inp), cases.run_once("eager", case, inp)
-            row = rows.setdefault((name, op, str(dtype)[6:]), Row(name, op, str(dtype)[6:]))
+            row = rows.setdefault(group, Row(*group))
             start = time.monotonic()
             c = (
                 cases.compare(eager, refs, eager)
@@ -121,11 +117,30 @@ def run(
             row.forward = max(row.forward, c.errors[0])
             row.backward = max(row.backward, *c.errors[1:])
             row.worst = max(row.worst, *c.ratios)
-            parts = ["y", "grad_x", *(["grad_w"] if op == "fused_linear" else []), "grad_bias"]
+            parts = ops.get(op).grid.outputs
             bad = [f"{part} {r:.2f}x the tolerance" for part, r in zip(parts, c.ratios) if r > 1.0]
             if bad:
                 row.failures.append(f"{label}: {', '.join(bad)}")
-    return list(rows.values()), skipped
+    return list(rows.values()), skipped, unrun
+
+
+def summary(rows: list[Row], unrun: dict[Group, set[str]]) -> str:
+    """The verdict's counts: groups that ran and passed, groups not run at all and groups cut short
+    by the budget, each with its backends' causes."""
+    ran = {(r.backend, r.op, r.dtype) for r in rows}
+    passed = sum(not r.failures for r in rows)
+    parts = [f"{passed}/{len(rows)} run groups (backend x op x dtype) pass"]
+    not_run = {g: why for g, why in unrun.items() if g not in ran}
+    short = {g: {BUDGET} for g, why in unrun.items() if g in ran and BUDGET in why}
+    for label, groups in (("not run", not_run), ("cut short by the budget", short)):
+        causes: dict[str, set[str]] = {}
+        for (backend, _, _), why in groups.items():
+            causes.setdefault(backend, set()).update(why)
+        if groups:
+            noun = "group" if len(groups) == 1 else "groups"
+            listed = "; ".join(f"{b}: {', '.join(sorted(c))}" for b, c in sorted(causes.items()))
+            parts.append(f"{len(groups)} {noun} {label} ({listed})")
+    return "; ".join(parts)
 
 
 def report(rows: list[Row], skipped: dict[str, set[str]]) -> str:
@@ -185,13 +200,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.budget if args.budget is not None else (45.0 if args.quick and device.type == "cpu" else None)
     )
     start = time.monotonic()
-    rows, skipped = run(device, args.quick, args.backends, budget or None)
+    rows, skipped, unrun = run(device, args.quick, args.backends, budget or None)
     print(report(rows, skipped))
-    failed = sum(bool(r.failures) for r in rows)
-    verdict = "FAILED" if failed else "passed"
+    failed = any(r.failures for r in rows)
     seconds = time.monotonic() - start
-    groups = f"{len(rows) - failed}/{len(rows)} backend x op x dtype groups pass"
-    print(f"{verdict}: {groups} on {device} in {seconds:.0f} s")
+    print(f"{'FAILED' if failed else 'passed'} on {device} in {seconds:.0f} s: {summary(rows, unrun)}")
     return 1 if failed else 0
 
 

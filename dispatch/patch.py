@@ -2,33 +2,32 @@
 
 Two rewrites, both exactly the original function (dropout masks aside):
 
-* Linear + activation, no dropout (or p = 0): one ``FusedLinear(activation=...)``, bias and
-  activation in the matmul's epilogue; the activation (and a p = 0 dropout) become ``nn.Identity``.
-* Linear + activation + Dropout(p > 0): ``FusedLinear(bias=False)`` for the product, then one
-  ``FusedBiasActDropout(activation, p)`` that takes over the Linear's bias: bias, activation and
-  dropout in one pass. Backward regenerates the mask instead of keeping nn.Dropout's (one byte per
-  element) but keeps the op's input, which stands in for the pre-activation autograd keeps anyway.
+* Linear + activation (+ Dropout): one ``FusedLinear(activation=..., dropout=p)`` where the Linear was,
+  ``nn.Identity`` where the activation and the dropout were. Without dropout (or p = 0, or in eval
+  mode) bias and activation are the matmul's epilogue; in training with p > 0 the GEMM runs without
+  the bias, then bias, activation and dropout in one pass. Backward regenerates the mask instead of
+  keeping nn.Dropout's (one byte per element) but keeps that pass's input, which stands in for the
+  pre-activation autograd keeps anyway.
 * Linear + Dropout(p > 0), no activation between (GPT-2's c_proj, BERT's output): ``FusedLinear``
   keeps the bias (the GEMM's epilogue), then ``FusedBiasActDropout(identity, p, bias=False)``; in
   bf16 it keeps one byte per element more than nn.Dropout's mask. Under ``torch.compile`` the graph
   is then the original's. ``patch(model, bias_in_linear=False)`` moves that bias into the dropout's
-  pass instead, as for runs with an activation.
+  pass instead, as for runs with an activation: one ``FusedLinear(identity, dropout=p)``.
 
 Where it looks: Hugging Face blocks by class (``_HF_BLOCKS``: GPT-2's MLP, BERT's intermediate and output
 blocks), and every ``nn.Sequential`` (Linear, then a known activation and/or ``nn.Dropout``). Hugging
-Face is never imported: blocks are recognized by class name and module. The modules keep their
-attribute names (an ``nn.Sequential`` keeps its positions: the fused module where the Linear was,
-``nn.Identity`` where it replaced one), so the blocks' own ``forward`` runs unchanged. Parameters are
-reused, not copied (an optimizer built before patching still holds them): GPT-2's ``Conv1D`` weights,
-stored (in, out), keep that layout in ``FusedLinear(transposed=True)``, so the GEMMs read the original
-operands.
+Face is never imported: blocks are recognized by class name and module. Gated MLPs (LLaMA's
+gate_proj/up_proj/down_proj, T5's wi_0/wi_1/wo) have no fused form yet: the report lists them as left
+alone. The modules keep their attribute names (an ``nn.Sequential`` keeps its positions: the fused module
+where the Linear was, ``nn.Identity`` where it replaced one), so the blocks' own ``forward`` runs
+unchanged. Parameters are reused, not copied (an optimizer built before patching still holds them):
+GPT-2's ``Conv1D`` weights, stored (in, out), keep that layout in ``FusedLinear(transposed=True)``, so
+the GEMMs read the original operands.
 
-The state_dict keeps the original's keys, order and shapes, so checkpoints load both ways with
-``strict=True``. A bias moved into the dropout's pass (an activation before the dropout, or
-``bias_in_linear=False``) is the dropout module's parameter, ``<dropout>.bias`` in ``named_parameters()``;
-hooks on its block save it as ``<linear>.bias``, right after ``<linear>.weight`` where the Linear saved
-it, and load ``<linear>.bias`` into it (``<dropout>.bias``, from checkpoints of patched models saved
-without these hooks, loads too).
+Each parameter stays on the module where the Linear was, so ``named_parameters()``, the state_dict and
+an optimizer's groups built from names all call it what the original did (``0.bias``), and checkpoints
+load both ways with ``strict=True``. Where the bias runs in the dropout's pass, a hook on the block
+also loads a ``<dropout>.bias`` entry as ``<linear>.bias``.
 """
 
 from __future__ import annotations
@@ -53,6 +52,9 @@ _HF_ACTIVATIONS = {
     "SiLUActivation": "silu",
     "LinearActivation": "identity",
 }
+
+# Gated MLPs down(act(gate(x)) * up(x)), by the (gate, up, down) attribute names of their Linears.
+_GATED_MLPS = (("gate_proj", "up_proj", "down_proj"), ("wi_0", "wi_1", "wo"))
 
 # Hugging Face block class -> the (linear, activation, dropout) attribute runs its forward calls in order.
 _HF_BLOCKS: dict[str, tuple[tuple[str, Optional[str], Optional[str]], ...]] = {
@@ -105,14 +107,34 @@ def activation_name(module: nn.Module) -> Optional[str]:
     return None
 
 
+def _why_no_activation(module: nn.Module) -> str:
+    """Why an activation module ``activation_name`` gave no name for has no fused equivalent."""
+    if type(module) is nn.LeakyReLU:
+        return f"LeakyReLU(negative_slope={module.negative_slope}): only slope {LEAKY_RELU_SLOPE} is fused"
+    return f"activation {type(module).__name__} has no fused equivalent"
+
+
 def _is_activation_module(module: nn.Module) -> bool:
     mod = type(module).__module__
     return mod == "torch.nn.modules.activation" or mod.startswith("transformers.activations")
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def _is_conv1d(module: object) -> bool:
     """Hugging Face's Conv1D: a linear layer whose weight is stored (in, out)."""
     return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
+
+
+def _is_linear(module: object) -> bool:
+    return type(module) is nn.Linear or _is_conv1d(module)
+
+
+def _gated_mlp(module: nn.Module) -> Optional[str]:
+    """Why ``module``, a gated MLP block (``_GATED_MLPS``), is left alone, or None when it is not one."""
+    for names in _GATED_MLPS:
+        if all(_is_linear(getattr(module, name, None)) for name in names):
+            acts = [f"{n}={type(m).__name__}" for n, m in module.named_children() if _is_activation_module(m)]
+            return f"gated MLP ({', '.join([*names, *acts])}): no fused equivalent yet"
+    return None
 
 
 def _features(module: nn.Module) -> tuple[int, int]:
@@ -139,13 +161,13 @@ def _why_not(parent: nn.Module, run: _Run) -> Optional[str]:
     linear = getattr(parent, run.linear, None)
     if isinstance(linear, FusedLinear):
         return "already patched"
-    if type(linear) is not nn.Linear and not _is_conv1d(linear):
+    if not _is_linear(linear):
         return f"expected an nn.Linear or Conv1D, found {type(linear).__name__}"
     activation = "identity"
     if run.act is not None:
         activation = activation_name(getattr(parent, run.act))
         if activation is None:
-            return f"activation {type(getattr(parent, run.act)).__name__} has no fused equivalent"
+            return _why_no_activation(getattr(parent, run.act))
     p = 0.0
     if run.drop is not None:
         drop = getattr(parent, run.drop)
@@ -157,31 +179,7 @@ def _why_not(parent: nn.Module, run: _Run) -> Optional[str]:
     return None
 
 
-def _save_moved_bias(
-    module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *, linear: str, drop: str
-) -> None:
-    """State-dict post-hook of a block whose ``linear``'s bias moved into its ``drop`` module: the entry
-    goes back under the Linear's key, at the Linear's place (after its weight), as the original saved it."""
-    value = state_dict.pop(f"{prefix}{drop}.bias", None)
-    if value is None:
-        return
-    key, anchor = f"{prefix}{linear}.bias", f"{prefix}{linear}.weight"
-    if anchor not in state_dict:
-        state_dict[key] = value
-        return
-    # The block's entries are the last written (its later siblings come after this hook): only the few
-    # behind the Linear's weight move, not the whole model's.
-    behind = []
-    for name in reversed(state_dict):
-        if name == anchor:
-            break
-        behind.append(name)
-    moved = [(name, state_dict.pop(name)) for name in reversed(behind)]
-    state_dict[key] = value
-    state_dict.update(moved)
-
-
-def _load_moved_bias(
+def _load_dropout_bias(
     module: nn.Module,
     state_dict: dict,
     prefix: str,
@@ -194,18 +192,17 @@ def _load_moved_bias(
     linear: str,
     drop: str,
 ) -> None:
-    """Load-state-dict pre-hook, the inverse of ``_save_moved_bias``: ``<linear>.bias`` loads into the
-    dropout module's bias. ``state_dict`` is ``load_state_dict``'s own copy, so the caller's is unchanged."""
-    key = f"{prefix}{linear}.bias"
-    if key in state_dict:
-        state_dict[f"{prefix}{drop}.bias"] = state_dict.pop(key)
+    """Load-state-dict pre-hook: a ``<drop>.bias`` entry loads as ``<linear>.bias``. ``state_dict`` is
+    ``load_state_dict``'s own copy, so the caller's is unchanged."""
+    old, key = f"{prefix}{drop}.bias", f"{prefix}{linear}.bias"
+    if old in state_dict and key not in state_dict:
+        state_dict[key] = state_dict.pop(old)
 
 
-def _keep_bias_key(parent: nn.Module, linear: str, drop: str) -> None:
-    # partials of module-level functions, holding names only: a deepcopy or pickle of the model keeps
-    # them working on the copy (a closure over the modules would point at the original's)
-    parent.register_state_dict_post_hook(functools.partial(_save_moved_bias, linear=linear, drop=drop))
-    parent.register_load_state_dict_pre_hook(functools.partial(_load_moved_bias, linear=linear, drop=drop))
+def _accept_dropout_bias_key(parent: nn.Module, linear: str, drop: str) -> None:
+    # a partial of a module-level function, holding names only: a deepcopy or pickle of the model keeps
+    # it working on the copy (a closure over the modules would point at the original's)
+    parent.register_load_state_dict_pre_hook(functools.partial(_load_dropout_bias, linear=linear, drop=drop))
 
 
 def _rewrite(parent: nn.Module, path: str, run: _Run, bias_in_linear: bool = True) -> Replacement:
@@ -222,31 +219,24 @@ def _rewrite(parent: nn.Module, path: str, run: _Run, bias_in_linear: bool = Tru
 
     weight, bias = linear.weight, linear.bias
     n_in, n_out = _features(linear)
+    has_bias = bias is not None
     meta = {"device": "meta", "dtype": weight.dtype}  # skips initialization: the parameters are set below
     transposed = _is_conv1d(linear)  # a Conv1D's weight keeps its (in, out) layout
     if p > 0.0 and bias_in_linear and activation == "identity":  # the bias in the GEMM's epilogue
-        fused = FusedLinear(n_in, n_out, bias=bias is not None, **meta, transposed=transposed)
-        if bias is not None:
-            fused.bias = bias
+        fused = FusedLinear(n_in, n_out, has_bias, **meta, transposed=transposed)
         tail = FusedBiasActDropout(n_out, activation, p, bias=False, **meta).train(drop.training)
         after = f"{run.linear}=FusedLinear() + {run.drop}=FusedBiasActDropout(identity, p={p}, bias=False)"
-    elif p > 0.0:
-        fused = FusedLinear(n_in, n_out, bias=False, **meta, transposed=transposed)
-        tail = FusedBiasActDropout(n_out, activation, p, bias=bias is not None, **meta).train(drop.training)
-        if bias is not None:
-            tail.bias = bias
-            _keep_bias_key(parent, run.linear, run.drop)
-        after = f"{run.linear}=FusedLinear(bias=False) + {run.drop}=FusedBiasActDropout({activation}, p={p})"
-    else:
-        fused = FusedLinear(
-            n_in, n_out, bias=bias is not None, activation=activation, **meta, transposed=transposed
-        )
-        if bias is not None:
-            fused.bias = bias
+    else:  # the bias in the GEMM's epilogue, or with p > 0 in training in the dropout's pass
+        fused = FusedLinear(n_in, n_out, has_bias, activation, **meta, dropout=p, transposed=transposed)
         tail = nn.Identity()
-        after = f"{run.linear}=FusedLinear({activation})"
+        args = activation + (f", dropout={p}" if p > 0.0 else "")
+        after = f"{run.linear}=FusedLinear({args})"
+        if p > 0.0 and has_bias:
+            _accept_dropout_bias_key(parent, run.linear, run.drop)
     fused.weight = weight
-    setattr(parent, run.linear, fused.train(linear.training))
+    if has_bias:
+        fused.bias = bias
+    setattr(parent, run.linear, fused.train((linear if drop is None else drop).training))
     if run.act is not None:
         setattr(parent, run.act, nn.Identity())
     if run.drop is not None:
@@ -271,7 +261,7 @@ def _sequential_runs(seq: nn.Sequential) -> list[_Run]:
     children = list(seq._modules.items())  # not named_children(): it drops repeated instances
     runs = []
     for i, (name, child) in enumerate(children):
-        if type(child) is not nn.Linear and not _is_conv1d(child):
+        if not _is_linear(child):
             continue
         rest = children[i + 1 : i + 3]
         act = rest[0][0] if rest and _is_activation_module(rest[0][1]) else None
@@ -290,7 +280,8 @@ def patch(model: nn.Module, *, bias_in_linear: bool = True, linear_dropout: bool
     holding Linear, then a known activation and/or ``nn.Dropout``. Activations: nn.ReLU, nn.GELU (both
     approximations), nn.SiLU, nn.LeakyReLU(0.01), and Hugging Face's gelu, gelu_new, gelu_pytorch_tanh,
     gelu_fast, relu2 (squared_relu), silu. With dropout off (``model.eval()`` or p = 0) the patched model
-    computes the same function as before, up to rounding in the model's dtype.
+    computes the same function as before, up to rounding in the model's dtype. Gated MLPs (LLaMA's,
+    T5's) and runs it cannot fuse are listed in the report as left alone, with the reason.
 
     ``bias_in_linear`` (default True): a Linear -> Dropout run with no activation between (GPT-2's
     c_proj, BERT's output) keeps its bias in the linear (a GEMM epilogue) and the dropout op gets
@@ -304,15 +295,19 @@ def patch(model: nn.Module, *, bias_in_linear: bool = True, linear_dropout: bool
     saves one small elementwise pass on the GPU but adds host time (two op dispatches for one
     native dropout) and, in bf16, keeps a byte per element more than nn.Dropout's mask.
 
-    Either way the state_dict keeps the original's keys (see the module docstring): checkpoints of the
-    original load into the patched model and back, with ``strict=True``.
+    Either way every parameter keeps the original's name, in ``named_parameters()`` and the state_dict
+    (see the module docstring): checkpoints of the original load into the patched model and back, with
+    ``strict=True``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
     for path, module in list(model.named_modules()):
         kind = type(module)
-        if kind.__name__ in _HF_BLOCKS and kind.__module__.startswith("transformers."):
+        gated = _gated_mlp(module)
+        if gated is not None:
+            report.skipped.append((path, gated))
+        elif kind.__name__ in _HF_BLOCKS and kind.__module__.startswith("transformers."):
             for run in _HF_BLOCKS[kind.__name__]:
                 _fuse(module, path, _Run(*run), report, bias_in_linear, linear_dropout)
         elif isinstance(module, nn.Sequential):

@@ -4,6 +4,7 @@ initialization, training mode, autocast, torch.compile, CUDA graph capture."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import dispatch.contracts.rng as dropout_rng
-from dispatch.backends.eager import bias_act_dropout as bad_ref
-from dispatch.backends.eager import fused_linear as linear_ref
+from dispatch.ops import bias_act_dropout as bad_spec
+from dispatch.ops import fused_linear as linear_spec
 from dispatch import ACTIVATION_NAMES
 from dispatch.contracts.activations import ACTIVATIONS
 from dispatch.nn import FusedBiasActDropout, FusedLinear
@@ -43,10 +44,10 @@ def test_fused_linear_matches_reference(activation, dtype):
     got = [y, *_grads(y, params, grad_y)]
 
     ref_in = [_leaf(t) for t in params]
-    ref_y = linear_ref.reference(*ref_in, activation, upcast=True)
+    ref_y = linear_spec.reference(*ref_in, activation, upcast=True)
     ref = [ref_y, *_grads(ref_y, ref_in, grad_y.double())]
     same_in = [_leaf(t) for t in params]
-    eager_y = linear_ref.reference(*same_in, activation)
+    eager_y = linear_spec.reference(*same_in, activation)
     eager = [eager_y, *_grads(eager_y, same_in, grad_y)]
     for name, out, r, e in zip(("y", "grad_x", "grad_weight", "grad_bias"), got, ref, eager):
         assert out.dtype == dtype
@@ -92,7 +93,7 @@ def test_fused_linear_transposed_weight(activation, dtype):
 
     def as_linear(t: torch.Tensor, upcast: bool) -> list[torch.Tensor]:
         leaves = [_leaf(p.double() if upcast else p) for p in params]
-        out = linear_ref.reference(leaves[0], leaves[1].t(), leaves[2], activation, upcast=upcast)
+        out = linear_spec.reference(leaves[0], leaves[1].t(), leaves[2], activation, upcast=upcast)
         return [out, *_grads(out, leaves, grad_y.double() if upcast else grad_y)]
 
     ref, eager = as_linear(params, True), as_linear(params, False)
@@ -136,8 +137,54 @@ def test_extra_repr_and_bad_arguments():
     x = torch.randn(3, 4)
     assert torch.equal(dropped(x), torch.zeros(3, 4))
     torch.testing.assert_close(dropped.eval()(x), torch.relu(x + dropped.bias))
-    with pytest.raises(ValueError, match="weight must have shape"):
-        FusedLinear(3, 4)(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="dropout must be a number in"):
+        FusedLinear(3, 4, dropout=-0.1)
+    assert "activation='relu', dropout=0.25" in repr(FusedLinear(3, 4, activation="relu", dropout=0.25))
+
+
+@pytest.mark.parametrize("transposed", (False, True))
+@pytest.mark.parametrize("shape", ((3, 9), (2, 5, 7), (16,), ()), ids=str)
+def test_fused_linear_names_x_when_its_last_dimension_is_wrong(shape, transposed):
+    """The module knows in_features: a wrong x is x's fault, whatever layout the weight has."""
+    module = FusedLinear(8, 16, transposed=transposed)
+    want = f"x's last dimension must be in_features=8 of this FusedLinear, got x of shape {shape}"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        module(torch.randn(shape))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("activation", ("gelu_tanh", "silu"))  # no exact zeros but the dropped ones
+def test_fused_linear_dropout_matches_reference(activation, dtype, spec_masks):
+    """``dropout=p`` in training: the GEMM, then bias, activation and dropout with the rng the op drew,
+    output and every gradient (the bias's included) as the reference's."""
+    module = FusedLinear(13, 24, activation=activation, dtype=dtype, dropout=0.3)
+    x = _leaf(torch.randn(3, 5, 13, dtype=dtype))
+    grad_y = torch.randn(3, 5, 24, dtype=dtype)
+    params = [x, module.weight, module.bias]
+    torch.manual_seed(11)
+    y = module(x)
+    got = [y, *_grads(y, params, grad_y)]
+    assert 0.2 < float((y == 0).float().mean()) < 0.4
+    torch.manual_seed(11)
+    rng = dropout_rng.draw(x.device)
+
+    def reference(upcast: bool) -> list[torch.Tensor]:
+        x, weight, bias = [_leaf(t) for t in params]
+        z = linear_spec.reference(x, weight, None, "identity", upcast=upcast)
+        out = bad_spec.reference(z, bias, activation, 0.3, rng, upcast=upcast)
+        return [out, *_grads(out, [x, weight, bias], grad_y.double() if upcast else grad_y)]
+
+    ref, eager = reference(True), reference(False)
+    for name, out, r, e in zip(("y", "grad_x", "grad_weight", "grad_bias"), got, ref, eager):
+        check(name, out.detach(), r.detach(), e.detach())
+
+
+def test_fused_linear_dropout_off_in_eval_mode():
+    module = FusedLinear(9, 32, activation="silu", dropout=0.5).eval()
+    x = torch.randn(6, 9)
+    state = torch.random.get_rng_state()
+    torch.testing.assert_close(module(x), F.silu(F.linear(x, module.weight, module.bias)))
+    assert torch.equal(torch.random.get_rng_state(), state), "eval mode drew random numbers"
 
 
 # ----------------------------------------------------------------------------- FusedBiasActDropout
@@ -145,7 +192,7 @@ def test_extra_repr_and_bad_arguments():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("activation", ("gelu", "gelu_tanh", "squared_relu"))
-def test_bias_act_dropout_module_matches_reference(activation, dtype):
+def test_bias_act_dropout_module_matches_reference(activation, dtype, spec_masks):
     """Training mode with p > 0: the module's output and gradients equal the reference run with the
     very rng the op drew (re-seeding the global generator replays the draw)."""
     module = FusedBiasActDropout(24, activation, p=0.3, dtype=dtype)
@@ -160,10 +207,10 @@ def test_bias_act_dropout_module_matches_reference(activation, dtype):
     rng = dropout_rng.draw(x.device)
 
     ref_in = [_leaf(x), _leaf(module.bias)]
-    ref_y = bad_ref.reference(*ref_in, activation, 0.3, rng, upcast=True)
+    ref_y = bad_spec.reference(*ref_in, activation, 0.3, rng, upcast=True)
     ref = [ref_y, *_grads(ref_y, ref_in, grad_y.double())]
     same_in = [_leaf(x), _leaf(module.bias)]
-    eager_y = bad_ref.reference(*same_in, activation, 0.3, rng)
+    eager_y = bad_spec.reference(*same_in, activation, 0.3, rng)
     eager = [eager_y, *_grads(eager_y, same_in, grad_y)]
     for name, out, r, e in zip(("y", "grad_x", "grad_bias"), got, ref, eager):
         check(name, out.detach(), r.detach(), e.detach())
@@ -194,7 +241,7 @@ def test_bias_follows_x_dtype():
         y = module(x)
     assert y.dtype == torch.bfloat16
     bias = module.bias.detach().to(torch.bfloat16)
-    check("y", y, bad_ref.reference(x, bias, "relu", upcast=True), bad_ref.reference(x, bias, "relu"))
+    check("y", y, bad_spec.reference(x, bias, "relu", upcast=True), bad_spec.reference(x, bias, "relu"))
 
 
 # ----------------------------------------------------------------------------- autocast, compile
@@ -216,7 +263,7 @@ def _autocast_case(device: str, activation: str) -> None:
     y_nn.backward(grad_y)
     assert module.weight.grad.dtype == torch.float32
     operands = (x.bfloat16(), linear.weight.detach().bfloat16(), linear.bias.detach().bfloat16())
-    ref = linear_ref.reference(*operands, activation, upcast=True)
+    ref = linear_spec.reference(*operands, activation, upcast=True)
     check("y", y.detach(), ref, y_nn.detach())
     for name in ("weight", "bias"):
         got, want = getattr(module, name).grad, getattr(linear, name).grad
@@ -232,16 +279,17 @@ def test_autocast_cpu_bf16_like_linear(activation):
 
 
 def test_compile_fullgraph_training_with_autocast():
-    """Compiles of a model of both modules in training mode (dropout on) under bf16 autocast, forward
-    and backward, no graph break. With a backend requested the ops stay custom ops and, inductor's
-    RNG falling back to torch's, the compiled model draws the same rng as eager mode and so matches it
-    exactly; with none, inductor owns the dropout (its mask, dispatch/library.py)."""
+    """Compiles of a model of both modules (FusedLinear's dropout too) in training mode (dropout on)
+    under bf16 autocast, forward and backward, no graph break. With a backend requested the ops stay
+    custom ops and, inductor's RNG falling back to torch's, the compiled model draws the same rng as
+    eager mode and so matches it exactly; with none, inductor owns the dropout (its mask,
+    dispatch/library.py)."""
     import torch._inductor.config as inductor_config
 
     from dispatch import use_backend
 
     model = nn.Sequential(
-        FusedLinear(16, 32, activation="gelu"),
+        FusedLinear(16, 32, activation="gelu", dropout=0.1),  # the GEMM, then bias + gelu + dropout
         FusedLinear(32, 16, bias=False, transposed=True),  # the op gets a transposed weight view
         FusedBiasActDropout(16, "identity", p=0.2),
     )
@@ -323,7 +371,7 @@ def test_cuda_graph_replays_draw_new_masks(monkeypatch):
         mask = y != 0
         masks.append(mask)
         operands = (x.detach(), module.bias.detach(), "gelu", 0.25, rngs[-1])
-        check("replay y", y.detach(), bad_ref.reference(*operands, upcast=True), bad_ref.reference(*operands))
+        check("replay y", y.detach(), bad_spec.reference(*operands, upcast=True), bad_spec.reference(*operands))
         assert torch.equal(gx != 0, mask), "backward used another mask than its forward"
         assert 0.2 < 1.0 - mask.float().mean() < 0.3
     assert not torch.equal(rngs[0], rngs[1]) and not torch.equal(rngs[1], rngs[2])

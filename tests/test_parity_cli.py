@@ -1,4 +1,5 @@
-"""python -m dispatch.parity: its quick mode passes on working backends and fails on a broken one.
+"""python -m dispatch.parity: its quick mode passes on working backends and fails on a broken one; its
+verdict counts the groups that did not run, with the cause.
 
 The compiling backends (nvfuser, inductor) are left out here: on 2 CPU cores their compiles take
 minutes for the quick grid, and their own test files check them against the same reference. The
@@ -12,7 +13,7 @@ import torch
 
 from dispatch.backends.eager import bias_act_dropout as eager_bad
 from dispatch import parity, select
-from dispatch.registry import backends
+from dispatch.registry import Kernels, backends
 from harness import eager_twin, register
 
 
@@ -25,16 +26,10 @@ def clean_cache():
 
 def twin(name, forward=None, backward=None):
     """A backend that is eager except for the given bias_act_dropout functions."""
-    op = type(
-        "Op",
-        (),
-        {
-            "forward": staticmethod(forward or eager_bad.forward),
-            "backward": staticmethod(backward or eager_bad.backward),
-        },
-    )
-    ops = {**backends()["eager"].ops, "bias_act_dropout": op}
-    return eager_twin(name, "test twin", ops=ops, dtypes=frozenset({torch.float32, torch.bfloat16}))
+    forward = forward or eager_bad.forward
+    op = Kernels(forward=forward, backward=backward or eager_bad.backward, inference=forward)
+    kernels = {**backends()["eager"].kernels, "bias_act_dropout": op}
+    return eager_twin(name, "test twin", kernels=kernels, dtypes=frozenset({torch.float32, torch.bfloat16}))
 
 
 def test_quick_passes(capsys, clean_cache):
@@ -84,3 +79,32 @@ def test_wrong_gradient_and_crash_fail(capsys, monkeypatch, clean_cache):
 @pytest.mark.gpu
 def test_quick_passes_for_every_backend_on_gpu(capsys, clean_cache):
     assert parity.main(["--quick"]) == 0, capsys.readouterr().out
+
+
+def test_summary_counts_the_groups_not_run():
+    """The verdict counts only groups that ran as passing, and says how many did not run, and why."""
+    ran = [parity.Row("eager", op, "float32") for op in ("bias_act_dropout", "fused_linear")]
+    unrun = {("inductor", op, "float32"): {parity.BUDGET} for op in ("bias_act_dropout", "fused_linear")}
+    unrun[("inductor", "fused_linear", "bfloat16")] = {parity.BUDGET}
+    line = "2/2 run groups (backend x op x dtype) pass; 3 groups not run (inductor: budget)"
+    assert parity.summary(ran, unrun) == line
+    ran.append(parity.Row("triton", "fused_linear", "float32", failures=["y 2.00x the tolerance"]))
+    unrun[("triton", "fused_linear", "float32")] = {parity.BUDGET}
+    unrun[("triton", "fused_linear", "float64")] = {parity.UNSUPPORTED}
+    assert parity.summary(ran, unrun) == (
+        "2/3 run groups (backend x op x dtype) pass; "
+        "4 groups not run (inductor: budget; triton: not supported); "
+        "1 group cut short by the budget (triton: budget)"
+    )
+
+
+def test_budget_spent_is_in_the_verdict(capsys, monkeypatch, clean_cache):
+    """A backend stopped by --budget after its first case: its other groups are counted as not run."""
+    register(monkeypatch, twin("slow"))
+    assert parity.main(["--quick", "--backends", "eager", "slow", "--budget", "1e-9"]) == 0
+    verdict = capsys.readouterr().out.splitlines()[-1]
+    assert verdict.startswith("passed on ")
+    assert verdict.endswith(
+        ": 13/13 run groups (backend x op x dtype) pass; 11 groups not run (slow: budget, not supported); "
+        "1 group cut short by the budget (slow: budget)"
+    )

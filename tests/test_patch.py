@@ -53,18 +53,16 @@ def test_sequential_report_and_modules():
     report = patch(model)
     assert len(report) == 3
     text = str(report)
-    assert "0=Linear(16->64) + 1=GELU + 2=Dropout(p=0.1)" in text
-    assert "2=FusedBiasActDropout(gelu_tanh, p=0.1)" in text
+    assert "0=Linear(16->64) + 1=GELU + 2=Dropout(p=0.1)  ->  0=FusedLinear(gelu_tanh, dropout=0.1)" in text
     assert "3=FusedLinear() + 4=FusedBiasActDropout(identity, p=0.1, bias=False)" in text
     assert "5=FusedLinear(silu)" in text
     assert "activation Tanh has no fused equivalent" in text
     assert [type(m).__name__ for m in model] == [
-        "FusedLinear", "Identity", "FusedBiasActDropout",
+        "FusedLinear", "Identity", "Identity",
         "FusedLinear", "FusedBiasActDropout",
         "FusedLinear", "Identity", "Linear", "Tanh",
     ]  # fmt: skip
-    assert model[2].activation == "gelu_tanh" and model[2].p == 0.1 and model[2].bias is not None
-    assert model[0].bias is None  # gelu between: the bias moves into the fused pass
+    assert model[0].activation == "gelu_tanh" and model[0].dropout == 0.1 and model[0].bias is not None
     assert model[4].activation == "identity" and model[4].bias is None and model[3].bias is not None
     assert [model[i].weight for i in (0, 3, 5)] == weights, "parameters must be reused, not copied"
     assert len(patch(model)) == 0, "a second patch must find nothing left to fuse"
@@ -90,34 +88,35 @@ def test_sequential_training_dropout_runs_through_fused_module():
     patch(model)
     with torch.no_grad():
         model[0].weight.zero_()
-        model[2].bias.fill_(1.0)  # relu(0 + 1) = 1 everywhere: zeros are exactly the dropped elements
+        model[0].bias.fill_(1.0)  # relu(0 + 1) = 1 everywhere: zeros are exactly the dropped elements
     x = torch.randn(64, 32)
     y1, y2 = model(x), model(x)
     assert 0.45 < float((y1 == 0).float().mean()) < 0.55
     assert set(y1.unique().tolist()) <= {0.0, 2.0}
     assert not torch.equal(y1, y2)
+    y1.sum().backward()
+    torch.testing.assert_close(model[0].bias.grad, (y1 != 0).float().sum(0) * 2.0)  # relu' = 1, scale 2
     model.eval()
     torch.testing.assert_close(model(x), torch.ones(64, 256), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bias_in_linear", (True, False))
 def test_where_a_linear_dropout_run_keeps_its_bias(bias_in_linear):
-    """Linear -> Dropout keeps its bias in the linear and the dropout op gets none (the default), or
-    with bias_in_linear=False the bias moves into the dropout's pass; runs with an activation move it
-    into the fused pass either way. Same function."""
+    """Linear -> Dropout keeps its bias in the linear's GEMM and the dropout op gets none (the default),
+    or with bias_in_linear=False one FusedLinear adds it in the dropout's pass, as for runs with an
+    activation either way. The bias stays the linear's parameter. Same function."""
     original = _mlp(0.3).eval()
     model = copy.deepcopy(original)
     report = patch(model, bias_in_linear=bias_in_linear)
     if bias_in_linear:
         assert "3=FusedLinear() + 4=FusedBiasActDropout(identity, p=0.3, bias=False)" in str(report)
-        assert model[3].bias is not None and model[4].bias is None
-        assert model[3].bias is original[3].bias or torch.equal(model[3].bias, original[3].bias)
+        assert model[4].bias is None and model[4].p == 0.3 and model[4].activation == "identity"
+        assert model[3].dropout == 0.0
     else:
-        assert "3=FusedLinear(bias=False) + 4=FusedBiasActDropout(identity, p=0.3)" in str(report)
-        assert model[3].bias is None and model[4].bias is not None
-        assert torch.equal(model[4].bias, original[3].bias)
-    assert model[4].p == 0.3 and model[4].activation == "identity"
-    assert model[0].bias is None and model[2].bias is not None  # gelu between: the bias moves
+        assert "3=FusedLinear(identity, dropout=0.3)" in str(report)
+        assert type(model[4]) is nn.Identity and model[3].dropout == 0.3
+    assert model[3].bias is not None and torch.equal(model[3].bias, original[3].bias)
+    assert model[0].dropout == 0.3 and model[0].bias is not None and type(model[2]) is nn.Identity
     x = torch.randn(5, 7, 16)
     _assert_same(model(x), original(x))
     y = model[:5].train()(torch.randn(64, 16))  # up to the dropout after the bare linear
@@ -131,8 +130,9 @@ def test_linear_dropout_false_leaves_runs_without_an_activation_alone():
     model = copy.deepcopy(original)
     report = patch(model, linear_dropout=False)
     assert type(model[3]) is nn.Linear and type(model[4]) is nn.Dropout
-    assert isinstance(model[0], FusedLinear) and isinstance(model[2], FusedBiasActDropout)
-    assert ("3", "Linear -> Dropout without an activation: left alone (linear_dropout=False)") in report.skipped
+    assert isinstance(model[0], FusedLinear) and model[0].dropout == 0.3 and type(model[2]) is nn.Identity
+    why = "Linear -> Dropout without an activation: left alone (linear_dropout=False)"
+    assert ("3", why) in report.skipped
     assert len(report) == 2  # 0-1-2 and 5-6; 7-8's Tanh has no fused form
     x = torch.randn(5, 7, 16)
     _assert_same(model(x), original(x))

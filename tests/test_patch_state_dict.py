@@ -1,13 +1,14 @@
 """dispatch.patch keeps the state_dict: the same keys, in the same order, with the same shapes and
 tensors, so the original's checkpoint loads into the patched model and the patched model's into the
-original, both with strict=True, and the two then compute the same function.
+original, both with strict=True, and the two then compute the same function. Every parameter keeps
+one name: ``named_parameters()`` and the state_dict call it what the original did.
 
 Every form ``patch`` rewrites is covered: Linear + activation (fused into the GEMM), Linear +
-activation + Dropout (the bias moves into the dropout's pass), Linear + Dropout (bias in the GEMM, or in
-the dropout's pass with ``bias_in_linear=False``, or left alone with ``linear_dropout=False``), and runs
-with nothing to fuse. Hugging Face blocks are checked on lookalikes (the class names, modules,
-attribute names and Conv1D layout ``patch`` recognizes) and, where transformers is installed, on real
-GPT-2 and BERT built from small configs.
+activation + Dropout (bias, activation and dropout in one pass after the GEMM), Linear + Dropout (bias
+in the GEMM, or in the dropout's pass with ``bias_in_linear=False``, or left alone with
+``linear_dropout=False``), and runs with nothing to fuse. Hugging Face blocks are checked on lookalikes
+(the class names, modules, attribute names and Conv1D layout ``patch`` recognizes) and, where
+transformers is installed, on real GPT-2 and BERT built from small configs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 from torch import nn
 
 from dispatch import patch
-from dispatch.nn import FusedBiasActDropout, FusedLinear
 from dispatch.contracts.tolerances import ATOL, RTOL
 
 NO_TRANSFORMERS = "transformers is not installed (pip install transformers): real Hugging Face models skipped"
@@ -54,16 +54,27 @@ def _assert_state_dicts_equal(got: dict, want: dict) -> None:
         assert torch.equal(got[key], want[key]), key
 
 
+def _assert_one_name_per_parameter(model: nn.Module, names: dict[str, nn.Parameter]) -> None:
+    """``model``'s parameters are ``names`` (the original's), by the same names in named_parameters() and
+    in the state_dict."""
+    params = dict(model.named_parameters())
+    assert list(params) == list(names) and all(params[n] is p for n, p in names.items())
+    saved = model.state_dict(keep_vars=True)
+    assert {k: v for k, v in saved.items() if isinstance(v, nn.Parameter)} == params
+
+
 def _check_round_trip(build, options: dict, x_fn, replaced: int) -> None:
-    """patch(build()) keeps the keys; original -> patched and patched -> original load strictly, with
-    identical tensors and the same eval-mode outputs."""
+    """patch(build()) keeps the keys and the parameters' names; original -> patched and patched ->
+    original load strictly, with identical tensors and the same eval-mode outputs."""
     original = _randomize(build()).eval()
     want = original.state_dict()
 
     patched = copy.deepcopy(original)
+    names = dict(patched.named_parameters())
     report = patch(patched, **options)
     assert len(report) == replaced, str(report)
     _assert_state_dicts_equal(patched.state_dict(), want)  # its own parameters, saved under the old keys
+    _assert_one_name_per_parameter(patched, names)
 
     # the original's checkpoint into a separately built, patched model
     target = _randomize(build()).eval()
@@ -141,25 +152,25 @@ def test_sequential_state_dict_round_trip(case, option):
     _check_round_trip(build, OPTIONS[option], lambda: torch.randn(3, 5, n_in), replaced)
 
 
-def test_moved_bias_is_the_dropout_modules_parameter_saved_under_the_linears_key():
-    """The fused modules keep their layout (the bias in the dropout module, the linear without one);
-    the state_dict names the same Parameter by the Linear's key, in the Linear's place."""
-    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.1), nn.Linear(16, 4), nn.Dropout(0.1))
-    bias0, bias3 = model[0].bias, model[3].bias
+@pytest.mark.parametrize("option", OPTIONS)
+def test_a_bias_run_in_the_dropouts_pass_keeps_the_linears_name(option):
+    """The issue's model: named_parameters(), the state_dict and an optimizer's param group built from
+    named_parameters() all call the first bias ``0.bias``, and a training step changes it."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Dropout(0.1), nn.Linear(16, 4), nn.Dropout(0.1))
+    names = dict(model.named_parameters())
     keys = list(model.state_dict())
-    patch(model, bias_in_linear=False)
-    kinds = [FusedLinear, nn.Identity, FusedBiasActDropout, FusedLinear, FusedBiasActDropout]
-    assert [type(m) for m in model] == kinds
-    assert model[0].bias is None and model[2].bias is bias0
-    assert model[3].bias is None and model[4].bias is bias3
-    saved = model.state_dict(keep_vars=True)
-    assert list(saved) == keys == ["0.weight", "0.bias", "3.weight", "3.bias"]
-    assert saved["0.bias"] is bias0 and saved["3.bias"] is bias3
-    # under a prefix (a submodule's view of the same entries) and into a caller's dict
+    patch(model, **OPTIONS[option])
+    assert type(model[2]) is nn.Identity and model[0].bias is names["0.bias"]
+    _assert_one_name_per_parameter(model, names)
+    assert list(model.state_dict()) == keys == ["0.weight", "0.bias", "3.weight", "3.bias"]
     assert list(model.state_dict(prefix="mlp.")) == [f"mlp.{k}" for k in keys]
-    destination = {"before": torch.zeros(1)}
-    model.state_dict(destination=destination, prefix="m.")
-    assert list(destination) == ["before"] + [f"m.{k}" for k in keys]
+
+    opt = torch.optim.SGD(model.named_parameters(), lr=0.1)  # the group keeps the names (param_names)
+    assert opt.state_dict()["param_groups"][0]["param_names"] == keys
+    before = names["0.bias"].detach().clone()
+    model.train()(torch.randn(32, 8)).square().sum().backward()
+    opt.step()
+    assert not torch.equal(model.state_dict()["0.bias"], before), "the bias the fused pass adds must train"
 
 
 def test_loading_leaves_the_callers_dict_alone_and_missing_keys_still_fail():
@@ -169,7 +180,7 @@ def test_loading_leaves_the_callers_dict_alone_and_missing_keys_still_fail():
     keys = list(source)
     model.load_state_dict(source, strict=True)
     assert list(source) == keys, "load_state_dict must not rename the caller's entries"
-    assert torch.equal(model[2].bias, source["0.bias"])
+    assert torch.equal(model[0].bias, source["0.bias"])
     del source["0.bias"]
     with pytest.raises(RuntimeError, match="Missing key"):
         model.load_state_dict(source, strict=True)
@@ -180,18 +191,17 @@ def test_loading_leaves_the_callers_dict_alone_and_missing_keys_still_fail():
 
 
 def test_checkpoint_with_the_dropout_key_still_loads():
-    """A patched model's checkpoint saved under the dropout's key (``2.bias``, as patch wrote them
-    before its state_dict kept the Linear's keys) loads too."""
+    """A checkpoint that names the bias by the dropout's key (``2.bias``) loads into the Linear's."""
     model = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Dropout(0.1))
     patch(model)
     old = {"0.weight": torch.randn(16, 8), "2.bias": torch.randn(16)}
     model.load_state_dict(old, strict=True)
-    assert torch.equal(model[0].weight, old["0.weight"]) and torch.equal(model[2].bias, old["2.bias"])
+    assert torch.equal(model[0].weight, old["0.weight"]) and torch.equal(model[0].bias, old["2.bias"])
 
 
 def test_copies_keep_the_keys_and_save_their_own_tensors():
-    """deepcopy and pickling (torch.save of the whole model) carry the key mapping to the copy, bound to
-    the copy's parameters, not the original's."""
+    """deepcopy and pickling (torch.save of the whole model) keep the keys, the copy's own parameters
+    under them, and carry the dropout-key hook to the copy."""
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.1), nn.Linear(16, 8), nn.Dropout(0.1))
     keys = list(model.state_dict())
     patch(model, bias_in_linear=False)
@@ -200,13 +210,16 @@ def test_copies_keep_the_keys_and_save_their_own_tensors():
     buffer.seek(0)
     for twin in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
         with torch.no_grad():
-            twin[2].bias.normal_()
+            twin[0].bias.normal_()
         saved = twin.state_dict()
         assert list(saved) == keys
-        assert torch.equal(saved["0.bias"], twin[2].bias) and not torch.equal(saved["0.bias"], model[2].bias)
+        assert torch.equal(saved["0.bias"], twin[0].bias) and not torch.equal(saved["0.bias"], model[0].bias)
         state = _randomize(copy.deepcopy(model)).state_dict()
         twin.load_state_dict(state, strict=True)
-        assert torch.equal(twin[2].bias, state["0.bias"]) and torch.equal(twin[4].bias, state["3.bias"])
+        assert torch.equal(twin[0].bias, state["0.bias"]) and torch.equal(twin[3].bias, state["3.bias"])
+        state["2.bias"] = state.pop("0.bias").neg()
+        twin.load_state_dict(state, strict=True)
+        assert torch.equal(twin[0].bias, state["2.bias"]) and not torch.equal(model[0].bias, state["2.bias"])
 
 
 # ----------------------------------------------------------------------------- plain modules
@@ -374,8 +387,8 @@ def test_lookalikes_are_recognized_as_hugging_face():
     report = patch(model, bias_in_linear=False)
     assert [(r.path, r.block) for r in report.replaced] == [(f"h.{i}.mlp", "GPT2MLP") for i in (0, 0, 1, 1)]
     mlp = model.h[0]["mlp"]
-    assert mlp.c_fc.transposed and mlp.c_fc.activation == "gelu_tanh" and mlp.c_proj.bias is None
-    assert isinstance(mlp.dropout, FusedBiasActDropout) and mlp.dropout.bias is not None
+    assert mlp.c_fc.transposed and mlp.c_fc.activation == "gelu_tanh" and mlp.c_proj.bias is not None
+    assert mlp.c_proj.dropout == 0.1 and type(mlp.dropout) is nn.Identity
     report = patch(_BertLike(), bias_in_linear=False)
     assert [r.block for r in report.replaced] == ["BertIntermediate", "BertOutput"] * 2
 
