@@ -1,5 +1,8 @@
-"""The backend folders, in the order ``python -m dispatch.info`` lists them. Adding a backend: one
-folder whose ``__init__`` declares ``BACKEND`` (``dispatch.contracts.backend.Backend``), plus its name
-here; ``dispatch.registry`` imports and registers it on first use."""
+"""The backend folders, in the one order of backends: ``python -m dispatch.info`` lists them so, ties
+within the calibrator's noise go to the first, and a call no table answers runs on the first that can
+serve it: plain PyTorch (the floor), the reference, then the fused kernels, least compiling first.
+Adding a backend: one folder whose ``__init__`` declares ``BACKEND``
+(``dispatch.contracts.backend.Backend``), plus its name here; ``dispatch.registry`` imports and
+registers it on first use."""
 
-NAMES = ("eager", "triton", "nvfuser", "inductor", "cublaslt")
+NAMES = ("pytorch", "eager", "cublaslt", "triton", "inductor", "nvfuser")

@@ -4,9 +4,12 @@
 """
 
 from dispatch import nn  # FusedLinear, FusedBiasActDropout
+from dispatch.api import explain, fused_bias_act_dropout, fused_linear, fused_mlp
 from dispatch.contracts.activations import ACTIVATION_NAMES
-from dispatch.api import explain, fused_bias_act_dropout, fused_linear
 from dispatch.patch import patch
-from dispatch.select import use_backend
+from dispatch.select import spec_masks, use_backend
 
-__all__ = ["ACTIVATION_NAMES", "explain", "fused_bias_act_dropout", "fused_linear", "nn", "patch", "use_backend"]
+__all__ = [
+    "ACTIVATION_NAMES", "explain", "fused_bias_act_dropout", "fused_linear", "fused_mlp", "nn", "patch", "spec_masks",
+    "use_backend",
+]  # fmt: skip

@@ -1,120 +1,57 @@
 """One call of an op at one shape: its inputs, its run on a backend, the float64 reference and the check.
 
 Shared by ``python -m dispatch.parity`` and ``python -m dispatch.calibrate`` (whose parity gate and
-timers build on it). Every run goes through the public ops with ``backend=name``, so what is checked is
-what a user's call runs; the reference is the eager backend's definitions in float64.
+timers build on it); every op's part comes from its spec (``dispatch.ops``). Every run goes through
+the public op with ``backend=name``, so what is checked is what a user's call runs; the reference is
+the spec's definition in float64, with the spec's dropout mask, or for a backend whose masks come from
+torch's RNG the mask recovered from its output (and its drop rate held to a binomial bound).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from dispatch import timing
-from dispatch.api import fused_bias_act_dropout, fused_linear
-from dispatch.contracts import rng as dropout_rng
+from dispatch import ops, registry, timing
 from dispatch.contracts import tolerances
-from dispatch.contracts.backend import Call
+from dispatch.contracts.op import P_DROPOUT, Case, Inputs
 
-P_DROPOUT = 0.1  # the p of every dropout case: a cost does not depend on p, and 0.1 is the common one
+__all__ = ["P_DROPOUT", "Case", "Inputs", "make_inputs", "run_once", "reference", "check", "gate", "inputs"]
 
-
-@dataclass(frozen=True)
-class Case:
-    """One shape of one op: (M, N) for bias_act_dropout, (M, N, K) for fused_linear."""
-
-    op: str
-    dtype: torch.dtype
-    activation: str
-    training: bool  # forward + backward; inference is the forward under no_grad
-    dropout: bool
-    m: int
-    features: tuple[int, ...]
-    device: torch.device
-
-    def call(self) -> Call:
-        shape = (self.m, *self.features)
-        return Call(self.op, self.device, self.dtype, shape, self.activation, self.dropout, self.training)
-
-    @property
-    def p(self) -> float:
-        return P_DROPOUT if self.dropout else 0.0
-
-    @property
-    def seed(self) -> int:
-        return zlib.crc32(repr(self).encode())
-
-
-@dataclass
-class Inputs:
-    x: Tensor  # (M, N) or (M, K)
-    bias: Tensor  # (N,)
-    weight: Optional[Tensor]  # (N, K) for fused_linear
-    grad_y: Tensor  # (M, N)
-    seed: int  # of the dropout generator
+DROP_RATE_SIGMAS = 6.0  # a torch-RNG mask's drop rate within this many binomial deviations of p
 
 
 def make_inputs(case: Case, seed: int) -> Inputs:
     """Fresh random inputs on the device (pre-activations ~ N(0, 1), so every activation branch is hit)."""
-    g = torch.Generator(device=case.device).manual_seed(seed)
-    dev, dt, n = case.device, case.dtype, case.features[0]
-
-    def randn(*shape: int, scale: float = 1.0) -> Tensor:
-        return (torch.randn(*shape, device=dev, generator=g) * scale).to(dt)
-
-    if case.op == "bias_act_dropout":
-        return Inputs(randn(case.m, n), randn(n, scale=0.5), None, randn(case.m, n), seed)
-    k = case.features[1]
-    weight = randn(n, k, scale=1.0 / math.sqrt(k))
-    return Inputs(randn(case.m, k), randn(n, scale=0.5), weight, randn(case.m, n), seed)
-
-
-def _generator(case: Case, seed: int) -> Optional[torch.Generator]:
-    return torch.Generator(device=case.device).manual_seed(seed + 1) if case.dropout else None
+    return ops.get(case.op).inputs(case, seed)
 
 
 def leaf_tensors(case: Case, inp: Inputs, dtype: Optional[torch.dtype] = None) -> list[Tensor]:
-    ts = [inp.x, inp.weight, inp.bias] if case.op == "fused_linear" else [inp.x, inp.bias]
-    return [t.detach().to(dtype or t.dtype).requires_grad_(case.training) for t in ts]
+    return [t.detach().to(dtype or t.dtype).requires_grad_(case.training) for t in inp.tensors]
 
 
-def run_once(name: str, case: Case, inp: Inputs) -> list[Tensor]:
-    """[y] in inference, [y, grad_x, (grad_w,) grad_bias] in training; the same dropout mask every time."""
+def run_once(name: Optional[str], case: Case, inp: Inputs) -> list[Tensor]:
+    """[y] in inference, [y, *grads] in training (the same dropout mask every time for spec masks);
+    ``name`` None runs the baseline composite."""
     leaves = leaf_tensors(case, inp)
     with torch.set_grad_enabled(case.training):
-        if case.op == "bias_act_dropout":
-            x, b = leaves
-            gen = _generator(case, inp.seed)
-            y = fused_bias_act_dropout(x, b, case.activation, case.p, True, generator=gen, backend=name)
-        else:
-            x, w, b = leaves
-            y = fused_linear(x, w, b, case.activation, backend=name)
+        y = ops.get(case.op).run_case(case, leaves, name, inp.seed)
     if not case.training:
         return [y]
     y.backward(inp.grad_y)
     return [y.detach(), *(t.grad for t in leaves)]
 
 
-def reference(case: Case, inp: Inputs) -> list[Tensor]:
-    """The float64 reference of run_once's outputs (the eager backend's definitions, autograd grads)."""
-    from dispatch.backends.eager import bias_act_dropout as ref_bad
-    from dispatch.backends.eager import fused_linear as ref_fl
-
+def reference(case: Case, inp: Inputs, drawn: Optional[Tensor] = None) -> list[Tensor]:
+    """The float64 reference of run_once's outputs, with the mask recovered from ``drawn`` if given."""
     leaves = leaf_tensors(case, inp, torch.float64)
     with torch.set_grad_enabled(case.training):
-        if case.op == "bias_act_dropout":
-            x, b = leaves
-            gen = _generator(case, inp.seed)
-            rng = dropout_rng.draw_for(x, gen) if gen is not None else None  # as the op draws
-            y = ref_bad.reference(x, b, case.activation, case.p, rng, upcast=True)
-        else:
-            x, w, b = leaves
-            y = ref_fl.reference(x, w, b, case.activation, upcast=True)
+        y = ops.get(case.op).reference_case(case, leaves, inp.seed, drawn)
     if not case.training:
         return [y]
     y.backward(inp.grad_y.double())
@@ -136,6 +73,22 @@ class Check:
         return max(self.errors, default=math.inf)
 
 
+def _torch_masks(name: str) -> bool:
+    return registry.backends()[name].torch_masks
+
+
+def drop_rate_failure(y: Tensor, undropped: Tensor, p: float) -> str:
+    """Why a mask read back from ``y`` is not a dropout at rate ``p`` ("" if it is): its drop rate over
+    the elements it can be read at (nonzero undropped values) within DROP_RATE_SIGMAS deviations."""
+    readable = undropped != 0
+    n = int(readable.sum())
+    if n == 0:
+        return ""
+    rate = float(((y == 0) & readable).sum()) / n
+    bound = DROP_RATE_SIGMAS * math.sqrt(p * (1.0 - p) / n) + 1.0 / n
+    return "" if abs(rate - p) <= bound else f"drop rate {rate:.4f} for p = {p} over {n} elements"
+
+
 def check(name: str, case: Case, inp: Inputs, refs: list[Tensor], eager: list[Tensor]) -> Check:
     """Runs ``name`` (after one warm-up call: JIT backends compile on their first) and compares every
     output with the reference: err <= 2 * err(eager in this dtype) + atol + rtol * max|ref|."""
@@ -145,6 +98,13 @@ def check(name: str, case: Case, inp: Inputs, refs: list[Tensor], eager: list[Te
         outs = run_once(name, case, inp)
     except Exception as exc:  # a broken backend is reported, never fatal
         return Check((), (), timing.describe(exc))
+    if case.dropout and _torch_masks(name):
+        refs = reference(case, inp, drawn=outs[0])
+        plain = reference(dataclasses.replace(case, dropout=False, training=False), inp)[0]
+        why = drop_rate_failure(outs[0].double(), plain, case.p)
+        if why:
+            return Check((), (), why)
+        eager = refs  # eager's mask is another: the float64 reference alone sets the bound
     return compare(outs, refs, eager)
 
 

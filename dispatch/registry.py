@@ -7,15 +7,7 @@ from __future__ import annotations
 import importlib
 import threading
 
-from dispatch.contracts.backend import (  # noqa: F401  (the declarations, for the layers above)
-    OPS,
-    Backend,
-    BiasActDropoutImpl,
-    Call,
-    FusedLinearImpl,
-    fused_linear_inference,
-    trusted,
-)
+from dispatch.contracts.backend import Backend, Call, Kernels  # noqa: F401  (for the layers above)
 
 _BACKENDS: dict[str, Backend] = {}
 _loaded = False

@@ -1,5 +1,6 @@
 """Which backend runs a call: the ``backend=`` argument > ``use_backend()`` > ``DISPATCH_BACKEND`` >
-the heuristic table of this GPU > eager as the default while no table exists > the priority list.
+the heuristic table of this GPU > the first able backend in ``dispatch.backends.NAMES``' order (plain
+PyTorch first) where no table answers or its pick cannot serve the call.
 
 Decisions are cached per call signature (``key``), so the steady-state cost is one dictionary lookup.
 ``DISPATCH_BACKEND`` is read at import; after changing it in a running process, call ``clear_cache()``.
@@ -16,14 +17,13 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional
 
 import torch
+from torch import Tensor
 
 from dispatch import heuristics
+from dispatch.contracts.backend import Kernels
+from dispatch.contracts.op import OpCall, OpSpec
 from dispatch.registry import Backend, Call, backends, get
 
-# Tried in this order when the table's pick (or the default) cannot serve a call: fused kernels
-# first, the reference last.
-PRIORITY = ("triton", "cublaslt", "inductor", "nvfuser", "eager")
-DEFAULT = "eager"
 ENV_VAR = "DISPATCH_BACKEND"
 _ARGUMENT, _CONTEXT = "the backend= argument", "use_backend()"  # the other two sources of a request
 _CACHE_LIMIT = 4096
@@ -56,6 +56,9 @@ class Decision:
         if self.captured_rule:
             name = (self.captured or self.backend).display_name()
             lines.append(f"  while a CUDA graph is captured: {name}, {self.captured_rule}")
+        if self.call.dropout:
+            masks = "torch's RNG (as nn.Dropout)" if self.backend.torch_masks else "dispatch.contracts.rng's spec"
+            lines.append(f"  dropout mask: {masks}")
         for name, why in self.reasons.items():
             if name != self.backend.name:
                 lines.append(f"  {name}: {'; '.join(why) if why else 'could run, not chosen'}")
@@ -73,26 +76,11 @@ def use_backend(name: str) -> Iterator[None]:
         _requested.reset(token)
 
 
-def key(
-    op: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    shape: tuple[int, ...],
-    activation: str,
-    dropout: bool,
-    grad: bool,
-    backend: Optional[str],
-) -> tuple:
-    """The cache key of a decision: everything ``decide`` reads of a call, and where a backend was asked
-    for (the position tells the ``backend=`` argument from ``use_backend()``). ``DISPATCH_BACKEND``
-    needs no place: ``clear_cache()``, which re-reads it, empties the cache. The one place keys are made."""
-    requested = (backend, None) if backend is not None else (None, _requested.get())
-    return (op, device, dtype, shape, activation, dropout, grad, *requested)
-
-
-def _call(key: tuple) -> Call:
-    op, device, dtype, shape, activation, dropout, grad = key[:7]
-    return Call(op, device, dtype, shape, activation, dropout, grad)
+def key(call: Call, backend: Optional[str]) -> tuple:
+    """The cache key of a decision: the call and where a backend was asked for (the position tells the
+    ``backend=`` argument from ``use_backend()``). ``DISPATCH_BACKEND`` and ``spec_masks`` need no
+    place: changing them empties the cache. The one place keys are made."""
+    return (call, backend, None) if backend is not None else (call, None, _requested.get())
 
 
 @dataclass(frozen=True)
@@ -103,24 +91,27 @@ class _ByCapture:
     captured: object
 
 
-def runner(key: tuple, prepare: Optional[Callable[[object], object]] = None) -> object:
-    """What the ops run for calls of ``key``: the chosen backend's op module, or ``prepare(module)``
-    (the same ``prepare`` for every call of one key: it depends only on the op and ``grad``). A
-    dictionary lookup once decided; where the decision has a backend for capture, one more question
+def runner(key: tuple, spec: OpSpec) -> Callable[[OpCall], Tensor]:
+    """What calls of ``key`` run: ``spec.runner`` of the chosen backend's kernels, made once per key.
+    A dictionary lookup once decided; where the decision has a backend for capture, one more question
     (``is_current_stream_capturing``, 0.3 us on the H200's host)."""
     impl = _impls.get(key)
     if impl is None:
         found = decision(key)
-        impl = found.backend.ops[key[0]]
-        if prepare is not None:
-            impl = prepare(impl)
+        call = key[0]
+        impl = spec.runner(found.backend.kernels_for(call.op), call)
         if found.captured is not None:
-            other = found.captured.ops[key[0]]
-            impl = _ByCapture(impl, prepare(other) if prepare is not None else other)
+            impl = _ByCapture(impl, spec.runner(found.captured.kernels_for(call.op), call))
         _impls[key] = impl
     if type(impl) is _ByCapture:
-        return impl.captured if torch.cuda.is_current_stream_capturing() else impl.host
-    return impl  # the value in hand: another thread may have cleared the caches since
+        return impl.captured if torch.cuda.is_current_stream_capturing() else impl.host  # type: ignore
+    return impl  # type: ignore[return-value]  # the value in hand: another thread may have cleared the caches
+
+
+def kernels(call: Call, backend: Optional[str]) -> Kernels:
+    """The kernels that serve ``call`` (a custom op in a compiled graph, as it runs)."""
+    found = decision(key(call, backend))
+    return found.backend.kernels_for(call.op)
 
 
 def decision(key: tuple) -> Decision:
@@ -130,7 +121,7 @@ def decision(key: tuple) -> Decision:
         if len(_cache) >= _CACHE_LIMIT:
             _cache.clear()
             _impls.clear()
-        found = decide(_call(key), *_request(*key[-2:]))
+        found = decide(key[0], *_request(key[1], key[2]))
         _cache[key] = found
     return found
 
@@ -157,6 +148,24 @@ def clear_cache() -> None:
     _env_backend = os.environ.get(ENV_VAR) or None
 
 
+def spec_masks(required: bool = True) -> None:
+    """Every dropout call then draws its mask by ``dispatch.contracts.rng``'s spec (identical on every
+    backend, regenerated in backward, never stored): backends whose masks come from torch's RNG
+    (pytorch) no longer serve dropout calls. Off by default: the spec costs eager's and the compiled
+    backends' dropout a traced Philox."""
+    global _spec_masks
+    _spec_masks = bool(required)
+    _cache.clear()
+    _impls.clear()
+
+
+def spec_masks_required() -> bool:
+    return _spec_masks
+
+
+_spec_masks = False
+
+
 def env_backend() -> Optional[str]:
     """The backend named by ``DISPATCH_BACKEND`` as last read (at import or by ``clear_cache()``)."""
     return _env_backend
@@ -175,7 +184,7 @@ def _warn_unknown(choice: "heuristics.Choice") -> None:
         _warned.add((table, choice.backend))
     warnings.warn(
         f"{table} names backend {choice.backend!r}, which is not registered here "
-        f"({', '.join(backends())}); its calls run on {DEFAULT} instead",
+        f"({', '.join(backends())}); its calls run on the first able backend instead",
         heuristics.HeuristicsWarning,
         stacklevel=4,
     )
@@ -199,42 +208,49 @@ def capture_pick(
     return found, "the fastest by GPU time alone: a captured call's host cost is paid once, at capture"
 
 
+def _first_able(reasons: Mapping[str, list[str]]) -> Optional[str]:
+    """The first backend in ``dispatch.backends.NAMES``' order that can serve the call: plain PyTorch,
+    then the reference, then the fused kernels."""
+    return next((name for name, why in reasons.items() if not why), None)
+
+
+def _reasons(call: Call, requested: Optional[str], everyone: Mapping[str, Backend]) -> dict[str, list[str]]:
+    reasons = {name: b.not_supported_reasons(call, explicit=(name == requested)) for name, b in everyone.items()}
+    if _spec_masks and call.dropout:
+        for name, b in everyone.items():
+            if b.torch_masks and not reasons[name]:
+                reasons[name] = [f"{name} draws dropout masks from torch's RNG; dispatch.spec_masks() asks for the spec's"]
+    return reasons
+
+
 def decide(call: Call, requested: Optional[str], source: str = "") -> Decision:
     """The uncached decision (``explain`` and cache misses)."""
     everyone = backends()
     if requested is not None and requested not in everyone:
         raise ValueError(f"backend must be one of {', '.join(everyone)}; got {requested!r} (from {source})")
-    reasons = {
-        name: b.not_supported_reasons(call, explicit=(name == requested)) for name, b in everyone.items()
-    }
-    if 0 in call.shape:
-        return Decision(call, everyone[DEFAULT], "empty input: the reference returns it", reasons)
+    reasons = _reasons(call, requested, everyone)
     if requested is not None:
         if reasons[requested]:
             raise ValueError(
                 f"backend {requested!r} (from {source}) cannot run {call}: {'; '.join(reasons[requested])}"
             )
         return Decision(call, everyone[requested], f"requested by {source}", reasons)
-
+    first = _first_able(reasons)
+    if first is None:
+        listing = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in reasons.items())
+        raise ValueError(f"no backend can run {call}:\n{listing}")
+    if 0 in call.shape:
+        return Decision(call, everyone[first], "empty input: the first able backend returns it", reasons)
     choice = heuristics.lookup(call)
-    skipped = ""
-    if choice is not None:
-        if choice.backend in everyone and not reasons[choice.backend]:
-            # only a CUDA call can be captured (and a CPU-only torch cannot even be asked)
-            captured, why = capture_pick(choice, reasons) if call.device.type == "cuda" else (None, "")
-            return Decision(call, everyone[choice.backend], choice.description, reasons, captured, why)
-        if choice.backend not in everyone:  # a newer or forked table: the reference, as with no table
-            _warn_unknown(choice)
-            if not reasons[DEFAULT]:
-                rule = f"table chose {choice.backend!r}, which is not a registered backend; default {DEFAULT}"
-                return Decision(call, everyone[DEFAULT], rule, reasons)
-        skipped = f"table chose {choice.backend}, which cannot serve it; "
-    elif not reasons[DEFAULT]:
-        return Decision(
-            call, everyone[DEFAULT], f"{heuristics.describe(call.device)}: default {DEFAULT}", reasons
-        )
-    for name in PRIORITY:
-        if name in everyone and not reasons[name]:
-            return Decision(call, everyone[name], f"{skipped}first able backend in the priority list", reasons)
-    listing = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in reasons.items())
-    raise ValueError(f"no backend can run {call}:\n{listing}")
+    if choice is None:
+        return Decision(call, everyone[first], f"{heuristics.describe(call.device)}: default {first}", reasons)
+    if choice.backend in everyone and not reasons[choice.backend]:
+        # only a CUDA call can be captured (and a CPU-only torch cannot even be asked)
+        captured, why = capture_pick(choice, reasons) if call.device.type == "cuda" else (None, "")
+        return Decision(call, everyone[choice.backend], choice.description, reasons, captured, why)
+    if choice.backend not in everyone:  # a newer or forked table
+        _warn_unknown(choice)
+        rule = f"table chose {choice.backend!r}, which is not a registered backend; default {first}"
+    else:
+        rule = f"table chose {choice.backend}, which cannot serve it; default {first}"
+    return Decision(call, everyone[first], rule, reasons)

@@ -45,3 +45,14 @@ def seed(request):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture
+def spec_masks():
+    """Dropout by dispatch.contracts.rng's spec on every call (dispatch.spec_masks()): for tests that
+    replay the spec's mask through the public ops, which otherwise may run plain PyTorch's dropout."""
+    import dispatch
+
+    dispatch.spec_masks(True)
+    yield
+    dispatch.spec_masks(False)

@@ -13,10 +13,11 @@ from typing import Optional, Sequence
 import pytest
 import torch
 
-from dispatch import fused_bias_act_dropout, fused_linear, registry
-from dispatch.backends.eager import bias_act_dropout as eager_bad
-from dispatch.backends.eager import fused_linear as eager_linear
+from dispatch import fused_bias_act_dropout, fused_linear
+from dispatch.ops import bias_act_dropout as bad_spec
+from dispatch.ops import fused_linear as linear_spec
 from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.op import recovered_keep
 from dispatch.contracts.tolerances import check
 from dispatch.registry import Backend, Call, backends
 
@@ -101,13 +102,24 @@ def run_bias_act_dropout(
 
 
 def reference_bias_act_dropout(
-    x, bias, activation: str, p: float, grad_y, upcast: bool, seed: int
+    x, bias, activation: str, p: float, grad_y, upcast: bool, seed: int, drawn: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
-    """The reference's output and gradients with the mask the op draws from a generator seeded ``seed``."""
-    rng = dropout_rng.draw_for(x, generator(x.device, seed)) if p > 0 else None  # as the op draws
+    """The reference's output and gradients with the mask the op draws from a generator seeded ``seed``,
+    or, given ``drawn`` (an output of a backend whose masks are torch's), the mask read back from it."""
     leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (x, bias)]
-    y = eager_bad.reference(leaves[0], leaves[1], activation, p, rng, upcast=upcast)
+    if drawn is not None and p > 0:
+        plain = bad_spec.reference(x.detach().double(), None if bias is None else bias.detach().double(), activation)
+        keep = recovered_keep(drawn.detach().double(), plain)
+        y = bad_spec.reference(leaves[0], leaves[1], activation, p, upcast=upcast, keep=keep)
+        return y, grads(y, leaves, grad_y)
+    rng = dropout_rng.draw_for(x, generator(x.device, seed)) if p > 0 else None  # as the op draws
+    y = bad_spec.reference(leaves[0], leaves[1], activation, p, rng, upcast=upcast)
     return y, grads(y, leaves, grad_y)
+
+
+def torch_masks(backend: str) -> bool:
+    """Whether ``backend`` draws dropout masks from torch's RNG (its parity reads the mask back)."""
+    return backends()[backend].torch_masks
 
 
 def run_fused_linear(backend: str, x, weight, bias, activation: str, grad_y) -> tuple[torch.Tensor, list]:
@@ -117,7 +129,7 @@ def run_fused_linear(backend: str, x, weight, bias, activation: str, grad_y) -> 
 
 def reference_fused_linear(x, weight, bias, activation: str, grad_y, upcast: bool) -> tuple[torch.Tensor, list]:
     leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (x, weight, bias)]
-    y = eager_linear.reference(*leaves, activation, upcast=upcast)
+    y = linear_spec.reference(*leaves, activation, upcast=upcast)
     return y, grads(y, leaves, grad_y)
 
 
@@ -139,7 +151,7 @@ def eager_twin(name: str, summary: str = "eager twin", **changes) -> Backend:
     replaces fields (ops, dtypes, ...)."""
     eager = backends()["eager"]
     fields = dict(
-        ops=eager.ops, devices=eager.devices, dtypes=eager.dtypes, activations=eager.activations,
+        kernels=eager.kernels, devices=eager.devices, dtypes=eager.dtypes, activations=eager.activations,
         deterministic=True, summary=summary,
     )
     return Backend(name=name, **{**fields, **changes})
@@ -149,4 +161,4 @@ def register(monkeypatch, *doubles: Backend) -> None:
     """Registers ``doubles`` for the length of one test (monkeypatch restores the registry)."""
     backends()  # the real backends load first, so the doubles join them rather than precede them
     for backend in doubles:
-        monkeypatch.setitem(registry._BACKENDS, backend.name, backend)
+        monkeypatch.setitem(backends(), backend.name, backend)

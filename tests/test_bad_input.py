@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from dispatch.backends.eager import fused_linear as eager_linear
+from dispatch.ops import fused_linear as linear_spec
 from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear
 from dispatch.registry import Call, backends
 from dispatch.contracts.tolerances import check
@@ -83,7 +83,7 @@ BAD_BIAS_ACT_DROPOUT = {  # name: (kwargs over the valid call (x, bias, "gelu", 
     "backend-unknown": (
         dict(backend="nope"),
         ValueError,
-        r"backend must be one of eager(, \w+)*; got 'nope'",
+        r"backend must be one of pytorch(, \w+)*; got 'nope'",
     ),
     "backend-type": (dict(backend=3), TypeError, r"backend must be a backend name \(str\) or None, got int"),
 }
@@ -170,7 +170,7 @@ BAD_FUSED_LINEAR = {  # name: (kwargs over the valid call (x, weight, bias, "gel
     "backend-unknown": (
         dict(backend="cutlass"),
         ValueError,
-        r"backend must be one of eager(, \w+)*; got 'cutlass'",
+        r"backend must be one of pytorch(, \w+)*; got 'cutlass'",
     ),
 }
 
@@ -222,7 +222,7 @@ def test_fused_linear_empty(x_shape, n, activation, device):
     y = fused_linear(x, weight, bias, activation)
     grad_y = torch.randn(y.shape, device=device)
     leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
-    ref = eager_linear.reference(*leaves, activation, upcast=True)
+    ref = linear_spec.reference(*leaves, activation, upcast=True)
     check("y", y.detach(), ref.detach())
     for name, g, r in zip(
         ("grad_x", "grad_weight", "grad_bias"),

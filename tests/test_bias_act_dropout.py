@@ -6,6 +6,8 @@ cases draw ``rng`` from a seeded generator, so the reference applies the very sa
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from harness import (
     reference_bias_act_dropout,
     require_call,
     run_bias_act_dropout,
+    torch_masks,
 )
 
 SMALL_SHAPES = ((7,), (1, 1), (3, 5, 24))
@@ -74,16 +77,18 @@ def run(backend: str, x, bias, activation: str, p: float, grad_y):
     return run_bias_act_dropout(backend, x, bias, activation, p, grad_y, GEN_SEED)
 
 
-def reference(x, bias, activation: str, p: float, grad_y, upcast: bool):
-    """The reference's output and gradients for the same mask as ``run``."""
-    return reference_bias_act_dropout(x, bias, activation, p, grad_y, upcast, GEN_SEED)
+def reference(x, bias, activation: str, p: float, grad_y, upcast: bool, drawn=None):
+    """The reference's output and gradients for the same mask as ``run`` (read back from ``drawn``, the
+    output of a backend whose masks are torch's)."""
+    return reference_bias_act_dropout(x, bias, activation, p, grad_y, upcast, GEN_SEED, drawn)
 
 
 def assert_parity(backend: str, x, bias, activation: str, p: float, grad_y) -> None:
     y, grads = run(backend, x, bias, activation, p, grad_y)
-    ref, ref_grads = reference(x, bias, activation, p, grad_y, upcast=True)
-    if backend == "eager":  # plain PyTorch in the same dtype sets the bar for the reference backend itself
-        base, base_grads = reference(x, bias, activation, p, grad_y, upcast=False)
+    drawn = y if torch_masks(backend) else None
+    ref, ref_grads = reference(x, bias, activation, p, grad_y, upcast=True, drawn=drawn)
+    if backend == "eager" or drawn is not None:  # the reference in the same dtype sets the bar
+        base, base_grads = reference(x, bias, activation, p, grad_y, upcast=False, drawn=drawn)
     else:
         base, base_grads = run("eager", x, bias, activation, p, grad_y)
     assert y.dtype == x.dtype and y.shape == x.shape
@@ -136,3 +141,17 @@ def test_gradcheck(activation, p, device):
         return fused_bias_act_dropout(x, bias, activation, p, generator=gen, backend="eager")
 
     assert torch.autograd.gradcheck(op, (x, bias))
+
+
+@pytest.mark.parametrize("p", (0.1, 0.5))
+def test_torch_masks_drop_at_rate_p_and_backward_uses_the_same_mask(p, device):
+    """The pytorch backend's mask is torch's: its drop rate is p within a binomial bound, and its
+    gradient is zero exactly where its output was dropped (one mask, forward and backward)."""
+    x = (torch.rand(256, 512, device=device) + 0.5).requires_grad_()  # relu(x) > 0: every drop is readable
+    y = fused_bias_act_dropout(x, None, "relu", p, backend="pytorch")
+    y.backward(torch.ones_like(y))
+    n = y.numel()
+    rate = float((y == 0).sum()) / n
+    assert abs(rate - p) <= 6 * math.sqrt(p * (1 - p) / n), rate
+    torch.testing.assert_close((x.grad == 0), (y == 0))
+    torch.testing.assert_close(y[y != 0], (x * (1 / (1 - p)))[y != 0])

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from dispatch import heuristics
-from dispatch import calibrate, cases, explain, select
+from dispatch import calibrate, cases, explain, ops, select
 from dispatch import table as table_cli
 from dispatch.calibrate import __main__ as cli
 from dispatch.calibrate import measure, plan, report
-from dispatch.registry import Call
+from dispatch.registry import Call, Kernels, backends
 from harness import eager_twin, register
 
 CPU = torch.device("cpu")
@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 @pytest.fixture
 def user_dir(tmp_path, monkeypatch):
     monkeypatch.setenv(heuristics.ENV_DIR, str(tmp_path))
-    monkeypatch.setattr(heuristics, "SHIPPED_DIR", str(tmp_path / "none"))
+    monkeypatch.setattr(heuristics.catalog, "SHIPPED_DIR", str(tmp_path / "none"))
     heuristics.reload()
     select.clear_cache()
     yield tmp_path
@@ -171,8 +171,9 @@ def test_points_whose_contenders_are_slow_calls_take_more_rounds():
 
 def test_bisection_finds_the_crossover_and_both_clocks_are_recorded(user_dir, clocks, capsys):
     out = user_dir / "t.json"
-    assert calibrate.main(args(out, "--budget", "600", acts=("gelu", "silu", "identity"), features=("32", "32,16"),
-                               ops=("bias_act_dropout", "fused_linear"), backends=("flat", "slow"))) == 0  # fmt: skip
+    assert calibrate.main(args(out, "--budget", "600", "--tables", acts=("gelu", "silu", "identity"),
+                               features=("32", "32,16"), ops=("bias_act_dropout", "fused_linear"),
+                               backends=("flat", "slow"))) == 0  # fmt: skip
     doc = json.loads(out.read_text())
     assert doc["schema_version"] == 2 and {e["activation"] for e in doc["entries"]} == {
         "gelu",
@@ -293,9 +294,8 @@ def test_a_backend_that_fails_parity_never_wins(user_dir, clocks, monkeypatch):
     from dispatch.backends.eager import bias_act_dropout as eager_bad
 
     gpu, host, _ = clocks
-    op = type("Op", (), {"forward": staticmethod(lambda *a: eager_bad.forward(*a) * 1.01),
-                         "backward": staticmethod(eager_bad.backward)})  # fmt: skip
-    register(monkeypatch, eager_twin("wrong", ops={"bias_act_dropout": op}))
+    op = Kernels(lambda *a: eager_bad.forward(*a) * 1.01, eager_bad.backward, lambda *a: eager_bad.forward(*a) * 1.01)
+    register(monkeypatch, eager_twin("wrong", kernels={**backends()["eager"].kernels, "bias_act_dropout": op}))
     gpu["wrong"], host["wrong"] = (lambda m: 1.0), (lambda m: 1.0)
     out = user_dir / "t.json"
     assert calibrate.main(args(out, backends=("flat", "wrong"))) == 0
@@ -311,9 +311,8 @@ def test_the_gpu_time_winner_is_parity_checked_too(user_dir, clocks, monkeypatch
     from dispatch.backends.eager import bias_act_dropout as eager_bad
 
     gpu, host, _ = clocks
-    op = type("Op", (), {"forward": staticmethod(lambda *a: eager_bad.forward(*a) * 1.01),
-                         "backward": staticmethod(eager_bad.backward)})  # fmt: skip
-    register(monkeypatch, eager_twin("wrong", ops={"bias_act_dropout": op}), eager_twin("gpu"))
+    op = Kernels(lambda *a: eager_bad.forward(*a) * 1.01, eager_bad.backward, lambda *a: eager_bad.forward(*a) * 1.01)
+    register(monkeypatch, eager_twin("wrong", kernels={**backends()["eager"].kernels, "bias_act_dropout": op}), eager_twin("gpu"))
     gpu["wrong"], host["wrong"] = (lambda m: 0.5), (lambda m: 5000.0)
     gpu["gpu"], host["gpu"] = (lambda m: 1.0), (lambda m: 5000.0)
     out = user_dir / "t.json"
@@ -356,8 +355,8 @@ def test_a_dtype_can_share_another_dtypes_timings(user_dir, clocks, monkeypatch)
     so and each is parity-checked in bfloat16."""
     default = cli.default_plan
 
-    def shared(device, quick, budget):
-        p = default(device, quick, budget)
+    def shared(device, quick, budget, op_names=None):
+        p = default(device, quick, budget, op_names)
         p.shared = {torch.float32: (torch.bfloat16,)}
         return p
 
@@ -392,13 +391,13 @@ def test_budget_is_shared_by_the_families_and_resume_continues(user_dir, clocks)
     assert measured == {("inference", False), ("inference", True), ("training", False), ("training", True)}
     for label, f in fams.items():
         assert ("training" in label) == (f["series_left"] > 0), (label, f)
-    first = {cli._key(e): e for e in data["entries"]}
+    first = {heuristics.EntryId.of_entry(e): e for e in data["entries"]}
     assert calibrate.main(args(out, "--resume", "--budget", "600", **many)) == 0
     data = heuristics.load_table(str(out)).data
     assert not data["settings"]["stopped_by_budget"]
     assert all(f["series_left"] == 0 for f in data["settings"]["families"].values())
     assert [(r["run"], r["parts"]) for r in data["settings"]["runs"]] == [("quick", 2)]
-    resumed = {cli._key(e): e for e in data["entries"]}
+    resumed = {heuristics.EntryId.of_entry(e): e for e in data["entries"]}
     assert len(resumed) == 4 * 2 * 3 and all(resumed[k] == e for k, e in first.items())
 
 
@@ -418,7 +417,7 @@ def test_a_run_the_budget_stops_has_whole_classes(user_dir, clocks):
     reps = {(a, n, d) for a, n, d in have if a in ("gelu", "relu")}
     assert {(a, n) for a, n, d in reps if not d} and len(reps) < 16  # stopped partway
     for rep, n, d in reps:
-        cls = next(c for c in plan.CLASSES["bias_act_dropout"] if rep in c)
+        cls = next(c for c in ops.get("bias_act_dropout").grid.classes if rep in c)
         assert {(a, n, d) for a in cls if a in acts} <= set(have), (rep, n, d, sorted(have))
         if "flat" in {s["backend"] for s in have[(rep, n, d)]["segments"]}:
             for a in (a for a in cls[1:] if a in acts):
@@ -488,6 +487,109 @@ def test_a_slim_table_cannot_be_resumed(user_dir, clocks):
         calibrate.main(args(slim, "--resume"))
 
 
+def test_a_run_over_an_existing_table_keeps_what_it_does_not_measure_again(user_dir, clocks, capsys):
+    """A plain run whose --out holds this device's table measures its own selection again and keeps
+    every other entry, saying how many; the table's history names the run."""
+    out = user_dir / "t.json"
+    assert calibrate.main(args(out, modes=("inference", "training"))) == 0
+    first = {heuristics.EntryId.of_entry(e): e for e in heuristics.load_table(str(out)).data["entries"]}
+    capsys.readouterr()
+    assert calibrate.main(args(out, modes=("training",))) == 0
+    printed = capsys.readouterr().out
+    data = heuristics.load_table(str(out)).data
+    now = {heuristics.EntryId.of_entry(e): e for e in data["entries"]}
+    assert now.keys() == first.keys() and len(now) == 4
+    inference = [k for k in first if k.key.mode == "inference"]
+    assert len(inference) == 2 and all(now[k] == first[k] for k in inference)
+    assert "kept 2 of the 4 entries of the table already there; the other 2 measured again" in printed
+    assert [(r["run"], r.get("families")) for r in data["settings"]["runs"]] == [
+        ("quick", None), ("quick", ["bias_act_dropout float32 training"])]  # fmt: skip
+    assert "measured again since by quick: bias_act_dropout float32 training" in "\n".join(
+        table_cli.provenance(heuristics.load_table(str(out)))
+    )
+
+
+def schema_1_table(info):
+    seg = {"m_from": 1, "backend": "eager", "runner_up": None, "margin": None}
+    entry = {"op": "bias_act_dropout", "dtype": "float32", "activation": "gelu", "mode": "inference",
+             "dropout": False, "features": [32], "segments": [seg],
+             "points": [{"m": 1, "ms": {"eager": 1.0}}]}  # fmt: skip
+    return {"schema_version": 1, "device": info, "entries": [entry]}
+
+
+@pytest.mark.parametrize("kind", ["other device", "schema 1", "not a table"])
+def test_a_file_the_run_cannot_extend_is_never_overwritten(user_dir, clocks, kind):
+    """Another device's table, a schema 1 table or a file that is no table at --out: the run stops
+    before measuring, names the file and --out, and leaves the file as it was."""
+    out = user_dir / "t.json"
+    info = heuristics.device_info(CPU)
+    if kind == "not a table":
+        out.write_text("{ not json")
+    elif kind == "schema 1":
+        out.write_text(json.dumps(schema_1_table(info)))
+    else:
+        assert calibrate.main(args(out)) == 0
+        doc = json.loads(out.read_text())
+        doc["device"] = {"type": "cuda", "name": "NVIDIA H200", "slug": "nvidia-h200", "capability": [9, 0]}
+        out.write_text(json.dumps(doc))
+    before = out.read_text()
+    why = {"other device": "is the table of NVIDIA H200", "schema 1": "is a schema 1 table",
+           "not a table": "is not a heuristics table"}[kind]  # fmt: skip
+    with pytest.raises(SystemExit, match=f"{why}.*not overwriting it: give another --out"):
+        calibrate.main(args(out))
+    assert out.read_text() == before
+
+
+def test_a_table_of_other_versions_is_replaced_with_a_word(user_dir, clocks, capsys):
+    out = user_dir / "t.json"
+    assert calibrate.main(args(out, modes=("inference", "training"))) == 0
+    doc = json.loads(out.read_text())
+    doc["versions"]["torch"] = "0.1"
+    out.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert calibrate.main(args(out, modes=("training",))) == 0
+    assert "--out: " + str(out) + " was calibrated with torch 0.1" in capsys.readouterr().err
+    assert {e["mode"] for e in heuristics.load_table(str(out)).data["entries"]} == {"training"}
+
+
+def test_calibrate_ends_with_a_summary_and_the_table_prints_once(user_dir, clocks, capsys):
+    """The README's ``python -m dispatch.calibrate --quick && python -m dispatch.table``: calibrate
+    prints a summary with each self-check target's verdict and where the choice tables are; the
+    tables print once, by dispatch.table (or by calibrate with --tables)."""
+    out = user_dir / f"{heuristics.device_info(CPU)['slug']}.json"  # where lookups look first
+    assert calibrate.main(args(out)) == 0
+    printed = capsys.readouterr().out
+    assert "cell:" not in printed and "activation gelu" not in printed, printed
+    assert printed.rstrip().endswith("the choice tables: python -m dispatch.table"), printed
+    assert "within 5% of the fastest: 100% (target >= 95%) ok" in printed, printed
+    assert table_cli.main([]) == 0
+    assert capsys.readouterr().out.count("bias_act_dropout  float32  inference") == 2  # dropout and not
+    other = user_dir / "elsewhere.json"
+    assert calibrate.main(args(other, "--tables")) == 0
+    printed = capsys.readouterr().out
+    assert "cell:" in printed and f"the choice tables: python -m dispatch.table --gpu {other}" in printed
+
+
+def test_each_self_check_target_gets_its_own_verdict():
+    """A table within 5% of the fastest at 98% of its points but 20% off at its worst: the regret
+    target is the one missed, and the line says so."""
+    r = {"points": 50, "within_5pct": 0.98, "worst_regret": 0.2, "worst_vs_pytorch": 0.01,
+         "pick_not_runnable": 0, "targets": report.TARGETS, "by_gpu_time": None}  # fmt: skip
+    r["meets_targets"] = all(ok for *_, ok in report.verdicts(r))
+    text = report.format_self_check(r, gpu=False)
+    lines = text.splitlines()
+    assert lines[0] == "self-check on 50 held-out points, by wall time: MISS"
+    assert lines[1:] == [
+        "  within 5% of the fastest: 98% (target >= 95%) ok",
+        "  worst regret: +20.0% (target <= +10%) MISS",
+        "  worst vs plain PyTorch: +1.0% (target <= +3%) ok",
+        "  picks that could not run: 0 (target 0) ok",
+    ]
+    r.update(worst_regret=0.02, pick_not_runnable=1, meets_targets=False)
+    assert "  picks that could not run: 1 (target 0) MISS" in report.format_self_check(r).splitlines()
+    assert "  worst regret: +2.0% (target <= +10%) ok" in report.format_self_check(r).splitlines()
+
+
 # ----------------------------------------------------------------------------- real clocks on the CPU
 
 
@@ -504,12 +606,12 @@ def test_tiny_real_run_on_cpu(user_dir, capsys):
     table = heuristics.load_table(str(out))
     assert table.version == 2 and table.data["settings"]["timer"].startswith("gpu_us = host_us")
     ops = {(e["op"], e["mode"], e["dropout"]) for e in table.data["entries"]}
-    assert len(ops) == 6  # every op x mode x dropout family
+    assert len(ops) == 9  # every op x mode x dropout family
     for e in table.data["entries"]:
         for p in e["points"]:
             assert p["gpu_us"] == p["host_us"] and set(p["gpu_us"]) == {"eager", plan.BASELINE}, p
     log = table.data["settings"]["series_seconds"]
-    assert len(log) == 6 and all(r["points"] >= 2 and r["timing_s"]["eager"] > 0 for r in log)
+    assert len(log) == 9 and all(r["points"] >= 2 and r["timing_s"]["eager"] > 0 for r in log)
     capsys.readouterr()
     assert table_cli.main(["--gpu", str(out), "--op", "fused_linear"]) == 0
     printed = capsys.readouterr().out
@@ -517,7 +619,9 @@ def test_tiny_real_run_on_cpu(user_dir, capsys):
         "fused_linear  float32  training  activation gelu" in printed
         and "bias_act_dropout" not in printed.split("cell:")[0]
     )
-    assert "speedup over plain PyTorch" in printed and "max(GPU time, host cost)" in printed
+    # one clock on a CPU: the wall time decides, and no GPU wording appears
+    assert "speedup over plain PyTorch" in printed and "the fastest by wall time wins" in printed
+    assert "GPU" not in printed and "host-bound" not in printed and "SMs" not in printed, printed
     assert "eager " in printed and "x" in printed.split("cell:")[0].splitlines()[3]
 
 

@@ -15,6 +15,7 @@ import torch
 
 from dispatch.backends.eager import bias_act_dropout as eager_bad
 from dispatch.backends.eager import fused_linear as eager_fl
+from dispatch.ops import fused_linear as linear_spec
 from dispatch.backends.inductor import compiler as inductor_compiler
 from dispatch.backends.nvfuser import compiler as nvfuser_compiler
 from dispatch import explain, fused_bias_act_dropout, fused_linear
@@ -251,7 +252,7 @@ def test_cublaslt_declared_unavailable_without_cuda():
 
 def test_cublaslt_declarations():
     backend = backends()["cublaslt"]
-    assert set(backend.ops) == {"fused_linear"}
+    assert set(backend.kernels) == {"fused_linear"}
     assert backend.devices == {"cuda"} and backend.activations == {"relu", "gelu_tanh"}
     call = Call("fused_linear", torch.device("cuda"), torch.bfloat16, (1, 64, 32), "relu", False, True)
     (reason,) = backend.extra_reasons(call, True)
@@ -270,10 +271,10 @@ def test_cublaslt_relu_math_on_cpu():
         b = torch.randn(24, dtype=torch.float64) if bias else None
         y, saved = cublaslt_fl.forward(x, w, b, "relu")
         assert saved is y
-        torch.testing.assert_close(y, eager_fl.reference(x, w, b, "relu"))
+        torch.testing.assert_close(y, linear_spec.reference(x, w, b, "relu"))
         g = torch.randn_like(y)
         leaves = [leaf(x), leaf(w)] + ([leaf(b)] if bias else [])
-        want = leaf_grads(eager_fl.reference(*leaves[:2], leaves[2] if bias else None, "relu"), leaves, g)
+        want = leaf_grads(linear_spec.reference(*leaves[:2], leaves[2] if bias else None, "relu"), leaves, g)
         for kept in (saved, None):
             got = cublaslt_fl.backward(g, x, w, b, kept, "relu", (True, True, bias))
             for a, e in zip([t for t in got if t is not None], want):
@@ -316,7 +317,7 @@ def test_cublaslt_inside_torch_compile_gpu():
     ey = fused_linear(*eager_leaves, "gelu_tanh", backend="eager")
     egrads = leaf_grads(ey, eager_leaves, grad_y)
     leaves64 = [leaf(t, torch.float64) for t in (x, w, b)]
-    ref = eager_fl.reference(*leaves64, "gelu_tanh", upcast=True)
+    ref = linear_spec.reference(*leaves64, "gelu_tanh", upcast=True)
     refs = (ref, *leaf_grads(ref, leaves64, grad_y.double()))
     for name, out, r, e in zip(("y", "grad_x", "grad_w", "grad_b"), (y, *grads), refs, (ey, *egrads)):
         check_detached(f"compiled cublaslt {name}", out, r, e)

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dispatch.backends.eager import bias_act_dropout as eager_bad
-from dispatch.backends.eager import fused_linear as eager_fl
+from dispatch.ops import bias_act_dropout as bad_spec
+from dispatch.ops import fused_linear as linear_spec
 from dispatch.backends.inductor import compiler as inductor_compiler
 from dispatch import fused_bias_act_dropout, fused_linear
 from dispatch.contracts import rng as dropout_rng
@@ -121,7 +121,7 @@ def _bias_act_dropout_case(backend: str, p: float, activation: str = "identity",
         rng = dropout_rng.draw_for(x) if p > 0 else None  # the ops' own draw
 
     def reference(x, b):
-        return eager_bad.reference(x, b, activation, p, rng, upcast=True)
+        return bad_spec.reference(x, b, activation, p, rng, upcast=True)
 
     return got, want, _reference_grads(reference, tensors, needs, grad_y)
 
@@ -174,7 +174,7 @@ def _fused_linear_case(backend: str, activation: str = "relu", dtype=torch.float
     want = _run(fused_linear, "eager", tensors, needs, grad_y, activation)
 
     def reference(x, w, b):
-        return eager_fl.reference(x, w, b, activation, upcast=True)
+        return linear_spec.reference(x, w, b, activation, upcast=True)
 
     return got, want, _reference_grads(reference, tensors, needs, grad_y)
 

@@ -8,50 +8,61 @@ serves float64 only.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
+import dispatch
 from dispatch import heuristics
 from dispatch.backends.eager import bias_act_dropout as eager_bad
 from dispatch.backends.eager import fused_linear as eager_linear
 from dispatch import explain, fused_bias_act_dropout, fused_linear, registry, use_backend
 from dispatch import select as select_mod
 from dispatch.contracts.activations import ACTIVATION_NAMES
-from dispatch.registry import Backend
+from dispatch.registry import Backend, Kernels
 from harness import register
 
 ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
 class Recorder:
-    """An op implementation that delegates to eager's and records each call."""
+    """Kernels that delegate to eager's and record each call (``calls``)."""
 
     def __init__(self, module):
-        self.module, self.calls = module, []
+        self.calls = []
+        real = module.KERNELS
+        self.kernels = Kernels(
+            forward=self._record("forward", real.forward),
+            backward=self._record("backward", real.backward),
+            inference=self._record("inference", real.inference),
+        )
 
-    def forward(self, *args):
-        self.calls.append("forward")
-        return self.module.forward(*args)
+    def _record(self, what, fn):
+        def recorded(*args):
+            self.calls.append(what)
+            return fn(*args)
 
-    def backward(self, *args):
-        self.calls.append("backward")
-        return self.module.backward(*args)
+        return recorded
 
 
-class InferRecorder(Recorder):
-    """A fused_linear implementation with the optional ``infer`` (registry.FusedLinearImpl)."""
+RECORDERS: dict = {}  # (backend, op) -> its Recorder
 
-    def infer(self, *args):
-        self.calls.append("infer")
-        return self.module.forward(*args)[0]
+
+def _recorded(backend: str, op: str, module) -> Kernels:
+    RECORDERS[backend, op] = Recorder(module)
+    return RECORDERS[backend, op].kernels
+
+
+def calls(backend: str, op: str) -> list:
+    return RECORDERS[backend, op].calls
 
 
 def _double(name: str, dtypes=ALL_DTYPES) -> Backend:
     return Backend(
         name=name,
-        ops={"bias_act_dropout": Recorder(eager_bad), "fused_linear": Recorder(eager_linear)},
+        kernels={
+            "bias_act_dropout": _recorded(name, "bias_act_dropout", eager_bad),
+            "fused_linear": _recorded(name, "fused_linear", eager_linear),
+        },
         devices=frozenset({"cpu", "cuda", "meta"}),
         dtypes=frozenset(dtypes),
         activations=frozenset(ACTIVATION_NAMES),
@@ -101,8 +112,8 @@ def _args(device):
 def test_explain_default(device):
     x, bias = _args(device)
     decision = explain("fused_bias_act_dropout", x, bias, "gelu", 0.1)
-    assert decision.backend.name == "eager"
-    assert "default eager" in decision.rule
+    assert decision.backend.name == "pytorch"  # plain PyTorch where no table answers
+    assert "default pytorch" in decision.rule
     call = decision.call
     assert (call.op, call.shape, call.dtype, call.activation, call.dropout, call.training) == (
         "bias_act_dropout",
@@ -114,9 +125,10 @@ def test_explain_default(device):
     )
     lines = str(decision).splitlines()
     assert lines[0] == str(call) and "bias_act_dropout(4x16, float32, gelu, dropout, training)" in lines[0]
-    assert lines[1] == "  runs on: eager" and lines[2].startswith("  because: ")
-    others = [name for name in registry.backends() if name != "eager"]
-    assert [line.split(":")[0].strip() for line in lines[3:]] == others
+    assert lines[1] == "  runs on: pytorch" and lines[2].startswith("  because: ")
+    assert lines[3] == "  dropout mask: torch's RNG (as nn.Dropout)"
+    others = [name for name in registry.backends() if name != "pytorch"]
+    assert [line.split(":")[0].strip() for line in lines[4:]] == others
     for name in others:  # a reason, or the fact that it could have run
         assert decision.reasons[name] or "could run, not chosen" in str(decision)
 
@@ -132,7 +144,7 @@ def test_explain_fused_linear_and_inference(device):
 
 def test_explain_unknown_op():
     with pytest.raises(
-        ValueError, match=r"op_name must be 'fused_bias_act_dropout' or 'fused_linear', got 'matmul'"
+        ValueError, match=r"op_name must be one of 'fused_bias_act_dropout', 'fused_linear'.*; got 'matmul'"
     ):
         explain("matmul", torch.randn(2, 2))
 
@@ -146,7 +158,7 @@ def test_table_beats_default(monkeypatch, fake, device):
     decision = explain("fused_bias_act_dropout", x, bias)
     assert decision.backend is fake and decision.rule == description
     fused_bias_act_dropout(x, bias).sum().backward()
-    assert fake.ops["bias_act_dropout"].calls == ["forward", "backward"]
+    assert calls("fake", "bias_act_dropout") == ["forward", "backward"]
 
 
 def test_env_beats_table(monkeypatch, fake, device):
@@ -156,7 +168,7 @@ def test_env_beats_table(monkeypatch, fake, device):
     decision = explain("fused_bias_act_dropout", x, bias)
     assert decision.backend.name == "eager" and decision.rule == "requested by DISPATCH_BACKEND"
     fused_bias_act_dropout(x, bias)
-    assert fake.ops["bias_act_dropout"].calls == []
+    assert calls("fake", "bias_act_dropout") == []
 
 
 def test_use_backend_beats_env(monkeypatch, fake, device):
@@ -166,9 +178,9 @@ def test_use_backend_beats_env(monkeypatch, fake, device):
         decision = explain("fused_bias_act_dropout", x, bias)
         fused_bias_act_dropout(x, bias)
     assert decision.backend is fake and decision.rule == "requested by use_backend()"
-    assert fake.ops["bias_act_dropout"].calls == ["forward"]
+    assert calls("fake", "bias_act_dropout") == ["forward"]
     fused_bias_act_dropout(x, bias)  # the block is over
-    assert fake.ops["bias_act_dropout"].calls == ["forward"]
+    assert calls("fake", "bias_act_dropout") == ["forward"]
 
 
 def test_argument_beats_use_backend(fake, device):
@@ -180,45 +192,56 @@ def test_argument_beats_use_backend(fake, device):
         fused_linear(x, w, backend="eager")
         fused_linear(x, w)
     assert decision.backend.name == "eager" and decision.rule == "requested by the backend= argument"
-    assert fake.ops["bias_act_dropout"].calls == []
-    assert fake.ops["fused_linear"].calls == ["forward"]  # from the call without backend=
+    assert calls("fake", "bias_act_dropout") == []
+    assert calls("fake", "fused_linear") == ["forward"]  # from the call without backend=
 
 
-def test_fused_linear_takes_infer_without_autograd(monkeypatch, device):
-    """Calls without autograd take the backend's infer where it has one (resolved once per decision),
-    calls with autograd its forward; without infer, forward's y (test_argument_beats_use_backend)."""
-    backend = dataclasses.replace(_double("inferring"), ops={"fused_linear": InferRecorder(eager_linear)})
-    register(monkeypatch, backend)
+def test_fused_linear_takes_inference_without_autograd(fake, device):
+    """Calls without autograd run the kernels' inference, calls with autograd their forward (and
+    backward, through the spec's Function)."""
     x = torch.randn(2, 3, 16, device=device)
     w = torch.randn(5, 16, device=device, requires_grad=True)
-    with use_backend("inferring"):
-        fused_linear(x, w, None, "gelu")
+    with use_backend("fake"):
+        fused_linear(x, w, None, "gelu").sum().backward()
         with torch.no_grad():
             for _ in range(2):
                 y = fused_linear(x, w, None, "gelu")
-    assert backend.ops["fused_linear"].calls == ["forward", "infer", "infer"]
+    assert calls("fake", "fused_linear") == ["forward", "backward", "inference", "inference"]
     assert y.shape == (2, 3, 5)
     torch.testing.assert_close(y, torch.nn.functional.gelu(x @ w.detach().T))
 
 
-def test_priority_list_when_the_table_pick_cannot_serve(monkeypatch, fake, device):
+def test_first_able_backend_when_the_table_pick_cannot_serve(monkeypatch, fake, device):
     _table(monkeypatch, "picky")  # float64 only; the call is float32
-    monkeypatch.setattr(select_mod, "PRIORITY", ("picky", "fake", "eager"))
     x, bias = _args(device)
     decision = explain("fused_bias_act_dropout", x, bias)
-    assert decision.backend is fake
-    assert (
-        decision.rule == "table chose picky, which cannot serve it; first able backend in the priority list"
-    )
+    assert decision.backend.name == "pytorch"
+    assert decision.rule == "table chose picky, which cannot serve it; default pytorch"
     assert decision.reasons["picky"] == ["picky supports dtypes float64; x is torch.float32"]
 
 
-def test_priority_list_when_the_default_cannot_serve(monkeypatch, fake):
-    monkeypatch.setattr(select_mod, "PRIORITY", ("picky", "fake", "eager"))
-    x = torch.empty(4, 16, device="meta")  # eager runs on cpu and cuda only
+def test_first_able_backend_when_the_default_cannot_serve(monkeypatch, fake):
+    x = torch.empty(4, 16, device="meta")  # pytorch and eager run on cpu and cuda only
     decision = explain("fused_bias_act_dropout", x)
-    assert decision.backend is fake and decision.rule == "first able backend in the priority list"
+    assert decision.backend is fake and "default fake" in decision.rule
     assert decision.reasons["eager"] == ["eager needs a cpu or cuda device; x is on meta"]
+
+
+def test_spec_masks_keep_dropout_off_torch_masks(device):
+    """dispatch.spec_masks(): dropout calls leave the pytorch backend (its masks are torch's) for the
+    first backend with the spec's masks; calls without dropout stay."""
+    x, bias = _args(device)
+    try:
+        dispatch.spec_masks(True)
+        drop = explain("fused_bias_act_dropout", x, bias, "gelu", 0.1)
+        plain = explain("fused_bias_act_dropout", x, bias, "gelu", 0.0)
+        with pytest.raises(ValueError, match="pytorch draws dropout masks from torch's RNG"):
+            fused_bias_act_dropout(x, bias, "gelu", 0.1, backend="pytorch")
+    finally:
+        dispatch.spec_masks(False)
+    assert drop.backend.name == "eager" and "dropout mask: dispatch.contracts.rng's spec" in str(drop)
+    assert plain.backend.name == "pytorch"
+    assert explain("fused_bias_act_dropout", x, bias, "gelu", 0.1).backend.name == "pytorch"
 
 
 def test_no_backend_can_run_lists_every_reason():
@@ -310,4 +333,4 @@ def test_cache_follows_overrides(fake, device):
     fused_bias_act_dropout(x, bias)
     with use_backend("fake"):  # a cached eager decision must not leak into the block
         fused_bias_act_dropout(x, bias)
-    assert fake.ops["bias_act_dropout"].calls == ["forward"]
+    assert calls("fake", "bias_act_dropout") == ["forward"]

@@ -5,13 +5,15 @@ Cases come from the registry; a backend that cannot serve one skips it with its 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from dispatch.backends.eager import fused_linear as eager_op
 from dispatch import ACTIVATION_NAMES, fused_linear
 from dispatch.registry import backends
 from dispatch.select import clear_cache
+from dispatch.contracts.activations import ACTIVATIONS
 from dispatch.contracts.tolerances import check
 from harness import (
     COMPILING,
@@ -133,10 +135,12 @@ def test_eager_training_path(activation, dtype, device, monkeypatch):
     x, weight, bias = fused_linear_inputs((37, 24), 19, dtype, device)
     grad_y = torch.randn(37, 19, device=device)
     y, grads = run_fused_linear("eager", x, weight, bias, activation, grad_y)
-    act = eager_op.ACTIVATIONS[activation]
+    act = ACTIVATIONS[activation]
     native = act.native and act.backward is not None
     assert ("FusedLinearBackward" != type(y.grad_fn).__name__) == native, type(y.grad_fn).__name__
-    monkeypatch.setattr(eager_op, "differentiable", lambda activation: None)
+    eager = backends()["eager"]
+    kernels = dataclasses.replace(eager.kernels["fused_linear"], autograd=lambda activation: False)
+    monkeypatch.setitem(eager.kernels, "fused_linear", kernels)
     clear_cache()  # the path is resolved once per decision
     try:
         y_fn, grads_fn = run_fused_linear("eager", x, weight, bias, activation, grad_y)

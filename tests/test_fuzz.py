@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dispatch.backends.eager import bias_act_dropout as eager_bad
-from dispatch.backends.eager import fused_linear as eager_linear
+from dispatch.ops import bias_act_dropout as bad_spec
+from dispatch.ops import fused_linear as linear_spec
 from dispatch import ACTIVATION_NAMES, fused_bias_act_dropout, fused_linear
 from dispatch.contracts import rng as dropout_rng
 from harness import BIAS_ACT_DROPOUT_GRADS, FUSED_LINEAR_GRADS, check_detached, grads as leaf_grads
@@ -71,7 +71,7 @@ def test_fuzz_bias_act_dropout(data, device):
                 if dropout
                 else None
             )
-            y = eager_bad.reference(x, bias, activation, p if dropout else 0.0, rng, upcast=upcast)
+            y = bad_spec.reference(x, bias, activation, p if dropout else 0.0, rng, upcast=upcast)
         # gradients with respect to the op's own (strided) inputs, not the leaves they view: a leaf
         # behind an expanded view would add autograd's low-precision sum over the expanded dimension
         return y, leaf_grads(y, (x, bias), grad_y)
@@ -105,7 +105,7 @@ def test_fuzz_fused_linear(data, device):
         if upcast is None:
             y = fused_linear(x, w, bias, activation, backend="eager")
         else:
-            y = eager_linear.reference(x, w, bias, activation, upcast=upcast)
+            y = linear_spec.reference(x, w, bias, activation, upcast=upcast)
         return y, leaf_grads(y, (x, w, bias), grad_y)
 
     grad_y = torch.randn(*lead, n, device=device)

@@ -3,6 +3,7 @@ the library does no work (no thread, process or file)."""
 
 import ast
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,12 +14,20 @@ FOLDERS = {"dispatch": "dispatch", "backends": "dispatch.backends", "heuristics"
 
 
 def _layer(module: str) -> int:
-    """0: contracts (import nothing of ours above them); 1: backends and heuristics; 2: the rest."""
+    """0: contracts (import nothing of ours above them); 1: the op specs; 2: backends and heuristics;
+    3: the rest (dispatcher, API, nn, patch, CLIs)."""
     if module == "dispatch.contracts" or module.startswith("dispatch.contracts."):
         return 0
-    if module.startswith(("dispatch.backends", "dispatch.heuristics")):
+    if module == "dispatch.ops" or module.startswith("dispatch.ops."):
         return 1
-    return 2
+    if module.startswith(("dispatch.backends", "dispatch.heuristics")):
+        return 2
+    return 3
+
+
+def _unit(module: str) -> str:
+    """A backend's folder, or the heuristics package: what may import itself freely."""
+    return ".".join(module.split(".")[:3 if module.startswith("dispatch.backends.") else 2])
 
 
 def _modules() -> dict[str, str]:
@@ -74,9 +83,11 @@ def test_imports_only_point_down():
             allowed = _layer(target) <= _layer(module)
             # a backend may build on the reference backend (nvfuser and inductor trace eager's functions),
             # never on another backend, the dispatcher or the heuristics
-            if _layer(module) == 1 and _layer(target) == 1:
-                same = target.split(".")[:3] == module.split(".")[:3]
+            if _layer(module) == _layer(target) == 2:
+                same = _unit(target) == _unit(module)
                 allowed = same or target.startswith("dispatch.backends.eager") and module.startswith("dispatch.backends")
+            if _layer(module) == _layer(target) == 1:  # a spec imports the registry, never another spec
+                allowed = target == "dispatch.ops" or module == "dispatch.ops"
             if not allowed:
                 upward.append(f"{path}:{line} ({module}) imports {target}")
     assert not upward, "\n".join(upward)
@@ -142,3 +153,45 @@ def test_users_own_backends_and_heuristics_do_not_shadow_ours(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == "eager"
+
+
+OP_NAMES = ("bias_act_dropout", "fused_linear", "fused_mlp")
+# a comparison with an op's name: ``op == "fused_linear"``, ``op in ("bias_act_dropout", ...)``
+BRANCH = re.compile(r"""(==|!=|\bin)\s*\(?\s*["'](fused_)?(%s)["']""" % "|".join(OP_NAMES))
+
+
+def test_no_op_name_branches_outside_the_op_specs():
+    """What differs between ops lives in their spec (dispatch/ops/<op>.py): no other module of the
+    package compares an op's name."""
+    found = []
+    for module, path in _modules().items():
+        if module.startswith("dispatch.ops"):
+            continue
+        for number, line in enumerate(open(path, encoding="utf-8"), 1):
+            if BRANCH.search(line):
+                found.append(f"{path}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def test_the_core_imports_no_backend():
+    """Only the registry imports the backend folders (by name, at first use); the dispatcher, API,
+    parity, calibration and CLIs reach kernels through it."""
+    modules = _modules()
+    found = []
+    for module, path in modules.items():
+        if _layer(module) != 3 or module == "dispatch.registry":
+            continue
+        for line, name in _imports(path, module):
+            target = _ours(name, modules) or ""
+            if target.startswith("dispatch.backends"):
+                found.append(f"{path}:{line} imports {target}")
+    assert not found, "\n".join(found)
+
+
+def test_no_file_over_400_lines_but_triton_kernels():
+    long = []
+    for module, path in _modules().items():
+        lines = sum(1 for _ in open(path, encoding="utf-8"))
+        if lines > 400 and not module.startswith("dispatch.backends.triton"):
+            long.append(f"{path}: {lines} lines")
+    assert not long, "\n".join(long)

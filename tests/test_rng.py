@@ -18,6 +18,11 @@ from dispatch.contracts.activations import ACTIVATIONS
 MASK32 = 0xFFFFFFFF
 
 
+# These tests are of the spec's masks: the public op's calls never go to a backend whose masks are
+# torch's (the pytorch backend; its own mask tests are in test_bias_act_dropout).
+pytestmark = pytest.mark.usefixtures("spec_masks")
+
+
 # ----------------------------------------------------------------------------- Philox bits
 
 

@@ -112,7 +112,7 @@ def test_invalid_dispatch_backend_names_the_variable(monkeypatch):
     monkeypatch.setenv("DISPATCH_BACKEND", "cudnn")
     select.clear_cache()
     try:
-        with pytest.raises(ValueError, match=r"backend must be one of eager.*got 'cudnn' \(from DISPATCH_BACKEND\)"):
+        with pytest.raises(ValueError, match=r"backend must be one of pytorch.*got 'cudnn' \(from DISPATCH_BACKEND\)"):
             fused_bias_act_dropout(torch.randn(2, 4), None, "gelu")
     finally:
         monkeypatch.delenv("DISPATCH_BACKEND")
@@ -147,7 +147,7 @@ def test_table_naming_an_unknown_backend_warns_once(tmp_path, monkeypatch):
         assert len(ours) == 1, [str(w.message) for w in ours]
         assert "cutlass9" in str(ours[0].message) and str(tmp_path) in str(ours[0].message)
         decision = explain("fused_bias_act_dropout", x, None, "gelu", 0.0)
-        assert decision.backend.name == "eager" and "not a registered backend" in decision.rule
+        assert decision.backend.name == "pytorch" and "not a registered backend" in decision.rule
     finally:
         heuristics.reload()
         select.clear_cache()

@@ -18,7 +18,7 @@ from typing import Optional
 import pytest
 import torch
 
-from dispatch.backends.eager.fused_linear import reference
+from dispatch.ops.fused_linear import reference
 from dispatch.backends.triton import fused_linear as triton_op
 from dispatch.backends.triton import matmul
 from dispatch import ACTIVATION_NAMES, fused_linear

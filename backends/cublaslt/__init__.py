@@ -38,7 +38,7 @@ def _declare() -> Backend:
     return (
         Backend(
             name="cublaslt",
-            ops={"fused_linear": fused_linear},
+            kernels={"fused_linear": fused_linear.KERNELS},
             devices=frozenset({"cuda"}),
             dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
             activations=frozenset(fused_linear.USE_GELU),

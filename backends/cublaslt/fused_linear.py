@@ -25,7 +25,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from dispatch.backends.eager import fused_linear as eager
+from dispatch.contracts.backend import Kernels
+from dispatch.ops.fused_linear import backward_from_pre
 
 USE_GELU = {"relu": False, "gelu_tanh": True}
 
@@ -59,4 +60,11 @@ def backward(
     another backend's forward saved it): grad_z = grad_y * act'(z) from the one activation table,
     grad_x = grad_z W, grad_W = grad_z^T x, grad_b = sum_rows grad_z; the eager backward computes
     exactly this."""
-    return eager.backward(grad_y, x, weight, bias, saved, activation, needs)
+    return backward_from_pre(grad_y, x, weight, bias, saved, activation, needs)
+
+
+def inference(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
+    return forward(x, weight, bias, activation)[0]
+
+
+KERNELS = Kernels(forward=forward, backward=backward, inference=inference)

@@ -1,23 +1,41 @@
-"""eager: plain PyTorch ops, the reference every other backend is checked against.
+"""eager: the spec's reference math on PyTorch ops, the parity reference every other backend is checked
+against; dropout by ``dispatch.contracts.rng``'s spec (its integer tensor ops), never stored.
 
-Supports: both ops, forward and backward; any device; float16, bfloat16, float32, float64; every
-activation; deterministic wherever the underlying torch ops are.
+Supports: every op, forward and backward (an op without a kernel file here runs its spec's
+``reference_kernels``); any device; float16, bfloat16, float32, float64; every activation;
+deterministic wherever the underlying torch ops are.
 """
+
+from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
-from dispatch.backends.eager import bias_act_dropout, fused_linear
-from dispatch.contracts.activations import ACTIVATION_NAMES
-from dispatch.contracts.backend import Backend
+from dispatch import ops
+from dispatch.backends.eager import bias_act_dropout, fused_linear, fused_mlp
+from dispatch.contracts.activations import ACTIVATION_NAMES, GATED_NAMES
+from dispatch.contracts.backend import Backend, Kernels
 
-BACKEND = (
-    Backend(
-        name="eager",
-        ops={"bias_act_dropout": bias_act_dropout, "fused_linear": fused_linear},
-        devices=frozenset({"cpu", "cuda"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
-        activations=frozenset(ACTIVATION_NAMES),
-        deterministic=True,
-        summary="PyTorch eager ops (the reference)",
-    )
+
+def _from_spec(op: str) -> Optional[Kernels]:
+    try:
+        return ops.get(op).reference_kernels()
+    except ValueError:
+        return None
+
+
+BACKEND = Backend(
+    name="eager",
+    kernels={
+        "bias_act_dropout": bias_act_dropout.KERNELS,
+        "fused_linear": fused_linear.KERNELS,
+        "fused_mlp": fused_mlp.KERNELS,
+    },
+    devices=frozenset({"cpu", "cuda"}),
+    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+    activations=frozenset((*ACTIVATION_NAMES, *GATED_NAMES)),
+    deterministic=True,
+    summary="the spec's reference on PyTorch ops",
+    generic=_from_spec,
 )

@@ -16,6 +16,7 @@ from torch import Tensor
 from dispatch.backends.eager import bias_act_dropout as eager
 from dispatch.backends.inductor.compiler import run
 from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.backend import Kernels
 from dispatch.contracts.rng import Rng
 
 
@@ -45,3 +46,6 @@ def backward(
         return None, None
     args = (grad_y, x, bias, activation, p, _traced(rng, x), need_x, need_bias)
     return run(eager.backward, args, rows=(0, 1))
+
+
+KERNELS = Kernels(forward=forward, backward=backward, inference=forward)

@@ -9,6 +9,7 @@ from typing import Optional
 from torch import Tensor
 
 from dispatch.backends.eager import fused_linear as eager
+from dispatch.contracts.backend import Kernels
 from dispatch.backends.inductor.compiler import run
 
 
@@ -32,3 +33,10 @@ def backward(
         return None, None, None
     args = (grad_y, x, weight, bias, saved, activation, needs)
     return run(eager.backward, args, rows=(0, 1, 4))
+
+
+def inference(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
+    return forward(x, weight, bias, activation)[0]
+
+
+KERNELS = Kernels(forward=forward, backward=backward, inference=inference)

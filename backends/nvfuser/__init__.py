@@ -47,7 +47,7 @@ def _declare() -> Backend:
     return (
         Backend(
             name="nvfuser",
-            ops={"bias_act_dropout": bias_act_dropout, "fused_linear": fused_linear},
+            kernels={"bias_act_dropout": bias_act_dropout.KERNELS, "fused_linear": fused_linear.KERNELS},
             devices=frozenset({"cpu", "cuda"}),
             dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
             activations=frozenset(ACTIVATION_NAMES),

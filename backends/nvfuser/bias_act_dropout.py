@@ -20,6 +20,7 @@ from torch import Tensor
 from dispatch.backends.eager import bias_act_dropout as eager
 from dispatch.backends.nvfuser.compiler import run, signature
 from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.backend import Kernels
 from dispatch.contracts.rng import Rng
 
 
@@ -54,3 +55,6 @@ def backward(
         return eager.backward(g, x, b, activation, p, r, need_x, need_bias)
 
     return run(key, grads, grad_y, x, bias, r)
+
+
+KERNELS = Kernels(forward=forward, backward=backward, inference=forward)

@@ -20,6 +20,8 @@ from torch import Tensor
 from dispatch.backends.eager import fused_linear as eager
 from dispatch.backends.nvfuser.compiler import run, signature
 from dispatch.contracts.activations import ACTIVATIONS
+from dispatch.contracts.backend import Kernels
+from dispatch.contracts.op import compute_dtype
 
 
 def forward(
@@ -29,7 +31,7 @@ def forward(
     if activation == "identity":
         return pre, None
     act = ACTIVATIONS[activation].forward
-    dtype = eager._compute_dtype(pre.dtype)
+    dtype = compute_dtype(pre.dtype)
     key = ("fused_linear.activation", activation, signature(pre))
     return run(key, lambda p: act(p.to(dtype)).to(p.dtype), pre), pre
 
@@ -54,3 +56,10 @@ def backward(
         return eager.backward(g, x, w, b, s, activation, needs)
 
     return run(key, grads, grad_y, x, weight, bias, saved)
+
+
+def inference(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
+    return forward(x, weight, bias, activation)[0]
+
+
+KERNELS = Kernels(forward=forward, backward=backward, inference=inference)

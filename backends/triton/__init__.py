@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from dispatch.contracts.activations import ACTIVATION_NAMES
-from dispatch.contracts.backend import Backend, Call
+from dispatch.contracts.backend import Backend, Call, Kernels
 
 try:
     import triton  # noqa: F401
@@ -54,15 +54,15 @@ def _extra_reasons(call: Call, explicit: bool) -> list[str]:
 
 
 def _declare() -> Backend:
-    ops: dict[str, object] = {}
+    kernels: dict[str, Kernels] = {}
     if triton is not None:
         from dispatch.backends.triton import bias_act_dropout, fused_linear
 
-        ops = {"bias_act_dropout": bias_act_dropout, "fused_linear": fused_linear}
+        kernels = {"bias_act_dropout": bias_act_dropout.KERNELS, "fused_linear": fused_linear.KERNELS}
     return (
         Backend(
             name="triton",
-            ops=ops,
+            kernels=kernels,
             devices=frozenset({"cuda", "cpu"}),
             dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
             activations=frozenset(ACTIVATION_NAMES),

@@ -1,5 +1,5 @@
 """Triton bias_act_dropout: y = dropout(act(x + bias)), forward and backward, the
-``dispatch.registry.BiasActDropoutImpl`` contract. In order: the kernels, their launch settings, the
+kernels of ``dispatch.ops.bias_act_dropout``. In order: the kernels, their launch settings, the
 launchers (check, allocate, launch). The dropout mask is the RNG spec's, from ``philox.py``.
 
 Tiles are 3-D, (BLOCK_M rows, BLOCK_N // 8 groups, 8 lanes): a group is the eight consecutive
@@ -28,7 +28,6 @@ contiguous 16-bit inputs without dropout ``_forward_flat_kernel``, bit for bit t
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
 from typing import NamedTuple, Optional
 
 import torch
@@ -40,6 +39,7 @@ from dispatch.backends.triton.activations import apply, grad
 from dispatch.backends.triton.launch import Launcher
 from dispatch.backends.triton.philox import keep_mask, row_keep_mask, seed_offset
 from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.backend import Kernels
 from dispatch.contracts.rng import Rng
 
 
@@ -490,7 +490,7 @@ def forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: O
 
 
 def _forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng]) -> Tensor:
-    """``forward`` on arguments the caller validated (``trusted``)."""
+    """``forward`` on arguments the caller validated (``KERNELS``)."""
     m, n = x.shape
     y = x.new_empty((m, n))  # contiguous; new_empty builds no torch.device
     if m == 0 or n == 0:
@@ -570,7 +570,7 @@ def _backward(
     need_x: bool,
     need_bias: bool,
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """``backward`` on arguments the caller validated (``trusted``)."""
+    """``backward`` on arguments the caller validated (``KERNELS``)."""
     return backward_pass(grad_y, x, bias, activation, p, rng, need_x, need_bias and bias is not None)
 
 
@@ -637,8 +637,6 @@ def backward_pass(
     return grad_x, grad_bias
 
 
-# The contract's functions without this module's own argument checks, for the dispatcher, which has
-# validated the call already (dispatch.registry.trusted). The checks cost ~1.2-1.7 us of host time a
-# call hot and over twice that right after other torch work, the same as the dispatcher's own
-# (benchmarks/PERF.md).
-trusted = SimpleNamespace(forward=_forward, backward=_backward)
+# The dispatcher's kernels skip this module's own argument checks: the spec validated the call, and
+# the checks cost ~1.2-1.7 us of host time a call hot, over twice that right after other torch work.
+KERNELS = Kernels(forward=_forward, backward=_backward, inference=_forward)

@@ -1,4 +1,4 @@
-"""Triton fused_linear: Activation(x @ W^T + b), forward and backward (``FusedLinearImpl``).
+"""Triton fused_linear: Activation(x @ W^T + b), forward and backward (``KERNELS``).
 
 Without autograd (``infer``): one Triton matmul (``matmul.py``) whose epilogue adds the bias and
 applies the activation: the product is written once, as y.
@@ -39,6 +39,7 @@ from torch import Tensor
 
 from dispatch.backends.triton import bias_act_dropout, matmul
 from dispatch.backends.triton.launch import Launcher
+from dispatch.contracts.backend import Kernels
 
 
 @triton.jit
@@ -112,7 +113,7 @@ def launch_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation
     return y
 
 
-# ----------------------------------------------------------------------------- FusedLinearImpl
+# ----------------------------------------------------------------------------- kernels
 
 
 def forward(
@@ -137,7 +138,7 @@ def forward(
         return pre, None
     # pre, not y, even where y would do (leaky_relu: y > 0 exactly where pre > 0): F.leaky_relu keeps
     # its input, so a caller may modify its output in place before backward; a kept y would refuse that
-    return bias_act_dropout.trusted.forward(pre, None, activation, 0.0, None), pre
+    return bias_act_dropout.KERNELS.forward(pre, None, activation, 0.0, None), pre
 
 
 def infer(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
@@ -168,3 +169,6 @@ def backward(
     grad_x = torch.mm(grad_pre, weight) if need_x else None  # (M, N) @ (N, K)
     grad_w = torch.mm(grad_pre.t(), x) if need_w else None  # (N, M) @ (M, K)
     return grad_x, grad_w, grad_b
+
+
+KERNELS = Kernels(forward=forward, backward=backward, inference=infer)

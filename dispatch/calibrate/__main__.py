@@ -6,6 +6,8 @@ counts M, bisecting where the winner changes. The next task goes to the family t
 planned series, so a loaded machine still covers every family. A backend enters a segment only after
 matching the float64 reference there; a class's other activations and dtypes take the representative's
 timings, each checked on its own. The table is written atomically, also every 30 s (``--resume``).
+A run over an existing table of this device keeps the entries it does not measure again; a file it
+could not extend (another device's table, another schema, not a table) is never overwritten.
 
     python -m dispatch.calibrate --quick                      # H200 ~2 min, 2 CPU cores < 3 min
     python -m dispatch.calibrate --out benchmarks/results/calibrate_points-nvidia-h200.json \\
@@ -30,12 +32,13 @@ from tqdm import tqdm
 from dispatch import cases, heuristics, select, timing
 from dispatch.calibrate import measure, report, warm
 from dispatch.calibrate.plan import (
-    BASELINE, FAMILY_ORDER, MODES, NOISE, PREFERENCE, PREFERENCE_INFERENCE, Family, Plan, Series, compiling,
-    contenders, default_plan, fit, held_out_ms, hopeless_in, preference, runs, series_of, spread, to_bisect,
+    BASELINE, MODES, NOISE, PREFERENCE, PREFERENCE_INFERENCE, Family, Plan, Series, compiling,
+    contenders, default_plan, family_order, fit, held_out_ms, hopeless_in, preference, runs, series_of, spread, to_bisect,
 )  # fmt: skip
-from dispatch.calibrate.report import entry_key as _key
 from dispatch.contracts.activations import ACTIVATION_NAMES
-from dispatch.registry import OPS, backends
+from dispatch import ops
+from dispatch.heuristics import EntryId, EntryKey
+from dispatch.registry import backends
 from dispatch.table import runs_of
 
 SAVE_EVERY_S = 30.0
@@ -46,7 +49,7 @@ END_S = 5.0  # kept from the budget (at most a tenth) for the self-check, the ba
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dispatch.calibrate", description=__doc__.split("\n")[0])
     add = p.add_argument
-    add("--ops", nargs="+", choices=OPS, default=list(OPS))
+    add("--ops", nargs="+", choices=ops.names(), default=list(ops.names()))
     add("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"],
         help="measured dtypes (GPU: bfloat16, float16 sharing its timings, float32; CPU: float32, bfloat16)")
     add("--activations", nargs="+", choices=ACTIVATION_NAMES, default=list(ACTIVATION_NAMES))
@@ -60,6 +63,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add("--slim-out", help="also write the table without its raw points (as heuristics/tables/ ships it)")
     add("--resume", action="store_true", help="keep what --out has measured, measure the rest")
     add("--refresh", action="store_true", help="measure the selected families again, keep the rest of --out")
+    add("--tables", action="store_true", help="print the choice tables at the end (python -m dispatch.table)")
     add("--workers", type=int, help="processes compiling ahead (GPU default: CPU cores - 1, at most 15)")
     add("--refit", metavar="RAW", help="measure nothing: fit RAW's points again by the current rule")
     add("--agree", metavar="OTHER", help="with --refit: the share of choice cells RAW and OTHER agree on")
@@ -67,14 +71,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 def make_plan(args: argparse.Namespace, device: torch.device) -> Plan:
-    plan = default_plan(device, args.quick, args.budget)
+    plan = default_plan(device, args.quick, args.budget, args.ops)
     if args.dtypes:
         plan.dtypes = tuple(getattr(torch, d) for d in args.dtypes)
         plan.shared = {d: tuple(s for s in ss if s not in plan.dtypes) for d, ss in plan.shared.items()}
     if args.features:
         sizes = [tuple(int(v) for v in f.split(",")) for f in args.features]
-        plan.features = {op: [f for f in sizes if len(f) == len(dims)] for op, dims in (
-            ("bias_act_dropout", "N"), ("fused_linear", "NK"))}  # fmt: skip
+        plan.features = {op: [f for f in sizes if len(f) == ops.get(op).feature_dims] for op in args.ops}
         plan.float32_sizes = 0
     if args.tokens:
         plan.tokens = tuple(sorted(set(args.tokens)))
@@ -92,12 +95,16 @@ class Run:
         self.plan, self.bar, self.start = plan, bar, time.monotonic()
         self.only = set(args.backends) if args.backends else None
         self.clock = measure.Clock(plan.device, plan.rounds, plan.quick)
-        self.entries: dict[tuple, dict] = {_key(e): e for e in (previous or {}).get("entries", [])}
+        kept = (previous or {}).get("entries", [])
+        self.entries: dict[EntryId, dict] = {EntryId.of_entry(e): e for e in kept}
         dtypes = {_dt(d) for d in plan.dtypes} | {_dt(s) for d in plan.dtypes for s in plan.shared.get(d, ())}
-        self.refresh = lambda e: bool(args.refresh) and e["op"] in args.ops and e["dtype"] in dtypes and (
+        # an existing table's entries of this run's selection are measured again, unless resumed
+        again = bool(args.refresh or not args.resume)
+        self.refresh = lambda e: again and e["op"] in args.ops and e["dtype"] in dtypes and (
             e["mode"] in args.modes and e["activation"] in args.activations)  # fmt: skip
         self.queue: dict[Family, list[tuple]] = {}  # (kind, series, features) in priority order
         self.planned: dict[Family, int] = {}
+        self.series_keys: set[EntryId] = set()  # every planned series' own entry, measured or not
         self.spent: dict[Family, float] = defaultdict(float)
         self.deadline = plan.budget_s - min(END_S, plan.budget_s / 10)
         self.log: list[dict] = []  # per series: points, seconds, seconds per backend, backends left out
@@ -113,6 +120,7 @@ class Run:
             self.queue[fam], every = [], series_of(self.plan, fam, activations)
             for features in self.plan.sizes(fam.op, fam.dtype):
                 for s in every:  # a series' task checks its members too (a stopped run has whole classes)
+                    self.series_keys.add(self._entry_key(fam, s.rep, fam.dtype, features))
                     if not self._done(s, features, [(s.rep, fam.dtype)]):
                         self.queue[fam].append(("series", s, features))
                         work.append((s, features))
@@ -124,13 +132,14 @@ class Run:
     def _done(self, s: Series, features: tuple, members: list) -> bool:
         return all(self._complete(self._entry_key(s.family, a, d, features)) for a, d in members)
 
-    def _complete(self, key: tuple) -> bool:
-        """Measured, not selected by --refresh, and no check left out for want of time."""
+    def _complete(self, key: EntryId) -> bool:
+        """Measured, not to be measured again (--refresh, or a run over an existing table), and no check
+        left out for want of time."""
         e = self.entries.get(key)
         return e is not None and not self.refresh(e) and not _unchecked(e)
 
-    def _entry_key(self, f: Family, act: str, dtype: torch.dtype, features: tuple) -> tuple:
-        return (f.op, _dt(dtype), act, f.mode, f.dropout, tuple(features))
+    def _entry_key(self, f: Family, act: str, dtype: torch.dtype, features: tuple) -> EntryId:
+        return EntryId(EntryKey.make(f.op, _dt(dtype), act, f.mode, f.dropout), tuple(features))
 
     def left(self) -> float:
         return self.deadline - (time.monotonic() - self.start)
@@ -280,13 +289,12 @@ class Run:
             if dtype != f.dtype:
                 e["measured_dtype"] = _dt(f.dtype)
             e.update(parity_checked=True, max_m=max(p["m"] for p in points), segments=segments)
-            self.entries[_key(e)] = {**e, "points": points, "held_out": held}
+            self.entries[EntryId.of_entry(e)] = {**e, "points": points, "held_out": held}
 
     def document(self, info: dict, in_progress: bool, extra: dict) -> dict:
-        order = lambda e: (e["op"], e["dtype"], e["mode"], e["dropout"], e["activation"], e["features"])  # noqa: E731
-        entries = sorted(self.entries.values(), key=order)
+        fields = ("op", "dtype", "mode", "dropout", "activation", "features")
+        entries = sorted(self.entries.values(), key=lambda e: tuple(e[k] for k in fields))
         left = {f: sum(t[0] == "series" for t in q) for f, q in self.queue.items()}
-        planned = {(f.op, _dt(f.dtype), f.mode, f.dropout) for f in self.planned}
         gpu = self.plan.device.type == "cuda"
         settings = {
             "quick": self.plan.quick, "noise": NOISE, "preference": list(PREFERENCE),
@@ -298,9 +306,8 @@ class Run:
                      "behind torch.cuda._sleep" if gpu else "gpu_us = host_us = perf_counter (no GPU clock)",
             "budget_s": self.plan.budget_s, "in_progress": in_progress,
             "stopped_by_budget": any(self.queue.values()) or any(map(_unchecked, entries)),
-            "series_measured": sum(  # of this run's families: a refresh keeps the others' entries too
-                e["activation"] == e["measured_as"] and "measured_dtype" not in e
-                and (e["op"], e["dtype"], e["mode"], e["dropout"]) in planned for e in entries),
+            # of this run's series: a run over an existing table keeps other entries too
+            "series_measured": sum(k in self.entries for k in self.series_keys),
             "series_planned": sum(self.planned.values()),
             "families": {f.label: {"spent_s": round(self.spent[f], 1), "series_planned": self.planned[f],
                                    "series_left": left[f]} for f in self.queue},
@@ -322,38 +329,83 @@ def _unchecked(e: dict) -> bool:
     return any(why == UNCHECKED for p in e["points"] for why in p.get("rejected", {}).values())
 
 
-def _previous(path: str, info: dict) -> Optional[dict]:
-    """--resume/--refresh: the table at ``path`` if it is this device's, of these versions, with raw points
-    in this schema; else None (starting afresh)."""
-    table = heuristics.load_table(path) if os.path.exists(path) else None
-    if table is not None and any("points" not in e for e in table.data["entries"]):
+def _flag(args: argparse.Namespace) -> str:
+    return "--refresh" if args.refresh else "--resume" if args.resume else "--out"
+
+
+def _previous(path: str, info: dict, flag: str = "--resume/--refresh") -> Optional[dict]:
+    """The table already at ``path``, whose entries this run keeps where it does not measure them again;
+    None where there is none or it is of other versions (replaced, said on stderr). A file this run
+    could not extend (not a table, no raw points, another device's, schema 1) is never overwritten:
+    the run stops, naming --out."""
+    if not os.path.exists(path):
+        if flag != "--out":
+            print(f"{flag}: no table at {path}; starting afresh", file=sys.stderr)
+        return None
+    table, why = heuristics.read_table(path)
+    refuse = f"not overwriting it: give another --out, or move {path} away"
+    if table is None:
+        sys.exit(f"{flag}: {path} is not a heuristics table ({why}); {refuse}")
+    if any("points" not in e for e in table.data["entries"]):
         raw = (table.data.get("raw_points") or {}).get("file", "the table --out wrote")
-        sys.exit(f"--resume/--refresh: {path} keeps no raw measured points; run on {raw} instead")
-    why = (
-        "no table" if table is None else "another device's table" if table.slug != info["slug"]
-        else "a table of other versions" if table.version_mismatch()
-        else "a schema 1 table (no host clock)" if table.data["schema_version"] != heuristics.SCHEMA_VERSION
-        else ""
-    )  # fmt: skip
-    if why:
-        print(f"--resume/--refresh: {why} at {path}; starting afresh", file=sys.stderr)
+        sys.exit(f"{flag}: {path} keeps no raw measured points; run on {raw} instead")
+    if table.slug != info["slug"]:
+        theirs, mine = f"{table.device['name']} ({table.slug})", f"{info['name']} ({info['slug']})"
+        sys.exit(f"{flag}: {path} is the table of {theirs}, not of {mine}; {refuse}")
+    if table.version != heuristics.SCHEMA_VERSION:
+        sys.exit(f"{flag}: {path} is a schema {table.version} table (no host clock), not schema "
+                 f"{heuristics.SCHEMA_VERSION}; {refuse}")  # fmt: skip
+    if table.version_mismatch():
+        print(f"{flag}: {path} was calibrated with {', '.join(table.version_mismatch())}: replacing its "
+              f"{len(table.data['entries'])} entries", file=sys.stderr)  # fmt: skip
         return None
     return table.data
+
+
+def _kept(previous: dict, entries: dict) -> str:
+    """How many of the existing table's entries the run kept as they were (not measured again)."""
+    before = previous["entries"]
+    kept = sum(entries.get(EntryId.of_entry(e)) is e for e in before)
+    again = f"; the other {len(before) - kept} measured again" if kept < len(before) else ""
+    return f"kept {kept} of the {len(before)} entries of the table already there{again}"
 
 
 def _runs(
     previous: Optional[dict], args: argparse.Namespace, plan: Plan, seconds: float, families: list
 ) -> list:
-    """The table's history: a refresh is one more run, a resumed run one more part of the last one."""
+    """The table's history: a refresh is one more run, a resumed run one more part of the last one, a
+    run over an existing table one more run of its families."""
     done = [] if previous is None else runs_of(previous.get("settings", {}), previous.get("date"))
     this = {"date": datetime.date.today().isoformat(), "elapsed_s": round(seconds, 1)}
+    kind = "quick" if plan.quick else "full"
     if args.refresh:
         return done + [{"run": "refresh", **this, "families": families}]
-    if done:
+    if done and args.resume:
         last = done[-1]
         seconds += last["elapsed_s"]
         return done[:-1] + [{**last, "elapsed_s": round(seconds, 1), "parts": last.get("parts", 1) + 1}]
-    return [{"run": "quick" if plan.quick else "full", **this, "parts": 1}]
+    if done:
+        return done + [{"run": kind, **this, "parts": 1, "families": families}]
+    return [{"run": kind, **this, "parts": 1}]
+
+
+def _summary(doc: dict, out: str, seconds: float, kept: str) -> list[str]:
+    """What the run did, in a few lines: the self-check, where the time went, what was written."""
+    st = doc["settings"]
+    stopped = st["stopped_by_budget"]
+    state = "stopped by the budget after" if stopped else "finished in"
+    extend = " (run again with --resume to extend it)" if stopped else ""
+    lines = [
+        report.format_self_check(doc["self_check"], doc["device"].get("type") == "cuda"),
+        report.format_costs(st),
+        f"{state} {seconds:.0f} s: {st['series_measured']} of {st['series_planned']} series measured, "
+        f"{len(doc['entries'])} entries; wrote {out}{extend}",
+        kept,
+    ]
+    default = os.path.join(heuristics.user_dir(), doc["device"]["slug"] + ".json")
+    where = "" if os.path.abspath(out) == os.path.abspath(default) else f" --gpu {out}"
+    lines.append(f"the choice tables: python -m dispatch.table{where}")
+    return [line for line in lines if line]
 
 
 def _bandwidth_gbs(device: torch.device) -> Optional[float]:
@@ -377,12 +429,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     plan, info = make_plan(args, device), heuristics.device_info(device)
     out = args.out or os.path.join(heuristics.user_dir(), info["slug"] + ".json")
-    previous = _previous(out, info) if args.resume or args.refresh else None
-    families = [Family(op, dt, mode, drop) for dt in plan.dtypes for mode, op, drop in FAMILY_ORDER
-                if op in args.ops and mode in args.modes and plan.features.get(op)]  # fmt: skip
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.exists(folder) and not os.path.isdir(folder):  # found before measuring, not at the first save
+        named = "--out" if args.out else heuristics.ENV_DIR
+        sys.exit(f"cannot write {out}: {folder} is a file, not a directory (named by {named})")
+    previous = _previous(out, info, _flag(args))
+    families = [Family(op, dt, mode, drop) for dt in plan.dtypes for mode, op, drop in family_order(args.ops)
+                if mode in args.modes and plan.features.get(op)]  # fmt: skip
     labels = sorted({f"{f.op} {_dt(f.dtype)} {f.mode}" for f in families})
     backends()  # every backend imported before the clock starts
-    where = f"{info['name']} ({info['slug']}) -> {out}"
+    threads = f" at {info['threads']} threads" if info["type"] == "cpu" else ""
+    where = f"{info['name']}{threads} ({info['slug']}) -> {out}"
     print(f"calibrating {where}; budget {plan.budget_s:.0f} s", file=sys.stderr)
     with tqdm(unit="series", file=sys.stderr, dynamic_ncols=True, mininterval=1.0) as bar:
         run = Run(plan, args, previous, bar)
@@ -400,24 +457,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run.run(lambda: heuristics.save_table(run.document(info, True, history()), out))
     if device.type == "cuda":  # the family's host costs decide (plan.pool_host)
         report.refit_entries(list(run.entries.values()), gpu=True)
-    doc = run.document({**info, "measured_bandwidth_gbs": _bandwidth_gbs(device)}, False, history())
+    measured = {"measured_bandwidth_gbs": _bandwidth_gbs(device)} if device.type == "cuda" else {}
+    doc = run.document({**info, **measured}, False, history())
     doc["self_check"] = report.self_check(doc)
     heuristics.save_table(doc, out)
     if args.slim_out:
         heuristics.save_table(heuristics.slim(doc, out), args.slim_out)
     heuristics.reload()
     select.clear_cache()
-    from dispatch import table as table_cli
+    if args.tables:
+        from dispatch import table as table_cli
 
-    print(table_cli.render(heuristics.Table(doc, out)))
-    print(report.format_self_check(doc["self_check"]))
-    print(report.format_costs(doc["settings"]))
-    st = doc["settings"]
-    stopped = st["stopped_by_budget"]
-    state = "stopped by the budget after" if stopped else "finished in"
-    print(f"{state} {time.monotonic() - run.start:.0f} s: {st['series_measured']} of {st['series_planned']} "
-          f"series measured, {len(doc['entries'])} entries; wrote {out}"
-          + (" (run again with --resume to extend it)" if stopped else ""))  # fmt: skip
+        print(table_cli.render(heuristics.Table(doc, out)))
+    kept = _kept(previous, run.entries) if previous is not None else ""
+    print("\n".join(_summary(doc, out, time.monotonic() - run.start, kept)))
     return 0
 
 

@@ -19,14 +19,11 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from dispatch import timing
-from dispatch.api import fused_bias_act_dropout, fused_linear
+from dispatch import ops, timing
 from dispatch.calibrate.plan import BASELINE
 from dispatch.cases import Case, Inputs, leaf_tensors, make_inputs
-from dispatch.contracts.activations import ACTIVATIONS
 
 SLOW_MS = timing.SLOW_MS  # 5 ms
 CPU_SLOW_MS = 50.0  # on a CPU such a call gets one round (fused_linear 64 x 3072 x 768 takes ~5 ms)
@@ -68,18 +65,15 @@ class Timer(NamedTuple):
 
 
 def timer(name: str, case: Case, inp: Inputs, chain: int = 1) -> Timer:
-    """The op on backend ``name`` (or the baseline composite): a forward, or ``chain`` forwards and one
-    backward over their outputs (one on a CPU, where a call dwarfs autograd's fixed cost)."""
+    """The op on backend ``name`` through its public function, or for BASELINE the composite called
+    directly: a forward, or ``chain`` forwards and one backward over their outputs (one on a CPU, where
+    a call dwarfs autograd's fixed cost)."""
     leaves = leaf_tensors(case, inp)
-    act, p = ACTIVATIONS[case.activation].forward, case.p
-    if name == BASELINE and case.op == "bias_act_dropout":
-        forward = lambda: F.dropout(act(leaves[0] + leaves[1]), p, training=True) if p else act(leaves[0] + leaves[1])  # noqa: E731,E501
-    elif name == BASELINE:
-        forward = lambda: act(F.linear(*leaves))  # noqa: E731
-    elif case.op == "bias_act_dropout":
-        forward = lambda: fused_bias_act_dropout(*leaves, case.activation, p, True, backend=name)  # noqa: E731
-    else:
-        forward = lambda: fused_linear(*leaves, case.activation, backend=name)  # noqa: E731
+    run, backend = ops.get(case.op).run_case, (None if name == BASELINE else name)
+
+    def forward() -> Tensor:
+        return run(case, leaves, backend, inp.seed)
+
     if not case.training:
         return Timer(forward, [], 1, name, case)
     cuda = case.device.type == "cuda"

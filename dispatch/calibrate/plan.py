@@ -14,61 +14,39 @@ import math
 import random
 import statistics
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from dispatch import ops
 from dispatch.contracts import shapes
+from dispatch.heuristics.ranking import (  # noqa: F401  (the ranking rule, for the calibrator)
+    BASELINE, NOISE, PREFERENCE, PREFERENCE_INFERENCE, bound, costs, estimated, preference, rank, winner,
+)  # fmt: skip
 
-# The clock's own spread: eager and plain PyTorch on the same kernels read 0.949-1.045x of each other
-# (held out, H200, 2026-12-03). At 5% instead of 3% two calibrations agreed on 95.7% of 4554 cells, not
-# 94.1%; 88 of 7164 point decisions moved to the preferred backend at a median 3.6% more cost.
-NOISE = 0.05
-PREFERENCE = ("eager", "cublaslt", "triton", "inductor", "nvfuser")  # the reference, then least compiling
-# Without autograd cuBLASLt's epilogue saves eager's activation pass: bf16 GPU time 0.61-1.006x eager's
-# (101 points, 12-03), host cost alike. Training keeps eager first: cuBLASLt's Python Function costs 1.47x.
-PREFERENCE_INFERENCE = ("cublaslt", "eager", "triton", "inductor", "nvfuser")
-BASELINE = "pytorch"  # F.dropout(act(x + b), p) / act(F.linear(x, w, b)): what a user writes
 MODES = ("inference", "training")
-# Families in priority order (what real models run most): the order breaks the scheduler's ties.
-FAMILY_ORDER = (
-    ("training", "bias_act_dropout", True),
-    ("training", "fused_linear", False),
-    ("inference", "fused_linear", False),
-    ("inference", "bias_act_dropout", False),
-    ("training", "bias_act_dropout", False),
-    ("inference", "bias_act_dropout", True),
-)
-# Activations of a class share one measured timing, each parity-checked on its own. fused_linear's relu
-# is a class of its own: triton and cublaslt keep its output and run it in cuBLASLt's epilogue (234 vs
-# 256 us keeping the pre-activation, gpt2 up 8192 x 3072 x 768 bf16 training, H200).
-CLASSES: dict[str, tuple[tuple[str, ...], ...]] = {
-    "bias_act_dropout": (("gelu", "gelu_tanh", "silu"), ("relu", "identity", "leaky_relu", "squared_relu")),
-    "fused_linear": (("identity",), ("gelu_tanh", "gelu", "silu", "leaky_relu", "squared_relu"), ("relu",)),
-}
 # float16 shares bfloat16's timings on a GPU (each cell checked in float16): the same kernels; the two
 # agreed in 1126 of 1134 cells of the 2026-11-30 H200 table.
 SHARED_DTYPES = {torch.bfloat16: (torch.float16,)}
-# Feature sizes in priority order: N for bias_act_dropout, (N, K) for fused_linear; N 512-28672, K 384-14336.
-FEATURES = {
-    "bias_act_dropout": [(3072,), (768,), (4096,), (14336,), (28672,)],  # GPT-2 MLP and hidden, LLaMA
-    "fused_linear": [
-        (3072, 768),  # GPT-2 / BERT / ViT-B up
-        (11008, 4096),  # LLaMA-2-7B up
-        (768, 3072),  # GPT-2 / BERT / ViT-B down
-        (4096, 14336),  # LLaMA-3-8B / Mistral-7B down
-        (28672, 8192),  # LLaMA-2/3-70B up
-        (1536, 384),  # MiniLM / DeiT-S up
-        (512, 2048),  # T5-small down: the one N below 768 (DeiT-S's down had been extrapolated)
-    ],
-}
-# float32 on a GPU: the first three sizes (GPT-2 and LLaMA-7B widths); models train and serve in half
-# precision there, and 70B-wide float32 GEMMs run at 1/8-1/15 of bf16's rate.
+# float32 on a GPU: the first three sizes of each op (GPT-2 and LLaMA-7B widths); models train and serve
+# in half precision there, and 70B-wide float32 GEMMs run at 1/8-1/15 of bf16's rate.
 FLOAT32_SIZES = 3
-QUICK_FEATURES = {
-    "cuda": {"bias_act_dropout": [(3072,), (4096,), (14336,)], "fused_linear": [(3072, 768), (11008, 4096)]},
-    "cpu": {"bias_act_dropout": [(3072,), (768,)], "fused_linear": [(3072, 768), (768, 3072)]},
-}
+
+
+def family_order(op_names: Sequence[str]) -> list[tuple[str, str, bool]]:
+    """(mode, op, dropout) of every op's families, the ops' first families first (each spec lists its
+    own by what real models run most): the order breaks the scheduler's ties."""
+    lists = [[(mode, name, drop) for mode, drop in ops.get(name).grid.families] for name in op_names]
+    return [f for rank in itertools.zip_longest(*lists) for f in rank if f is not None]
+
+
+def features(device_type: str, quick: bool, op_names: Sequence[str]) -> dict[str, list[tuple[int, ...]]]:
+    """Each op's feature sizes in priority order (its spec's grid)."""
+    out = {}
+    for name in op_names:
+        grid = ops.get(name).grid
+        out[name] = list(grid.quick.get(device_type, grid.quick.get("cpu", ())) if quick else grid.features)
+    return out
 
 
 @dataclass
@@ -80,8 +58,8 @@ class Plan:
     features: dict[str, list[tuple[int, ...]]]
     tokens: tuple[int, ...]  # the coarse grid of M; bisection adds points between
     ratio: float  # bisect while neighbours with different winners are further apart than this in M
-    max_elements: int  # M * N cap of a bias_act_dropout point
-    max_macs: int  # M * N * K cap of a fused_linear point (float32 on a GPU gets 1/8)
+    max_elements: int  # M * features cap of an elementwise op's point
+    max_macs: int  # M * N * K cap of a GEMM op's point (float32 on a GPU gets 1/8)
     rounds: int  # interleaved timing rounds per point
     budget_s: float
     float32_sizes: int = 0  # float32 takes the first this many feature sizes (0: all)
@@ -91,8 +69,9 @@ class Plan:
         return sizes[: self.float32_sizes] if dtype == torch.float32 and self.float32_sizes else sizes
 
     def m_cap(self, op: str, features: tuple[int, ...], dtype: torch.dtype) -> int:
-        cap = self.max_elements if op == "bias_act_dropout" else self.max_macs
-        if op == "fused_linear" and dtype == torch.float32 and self.device.type == "cuda":
+        gemm = ops.get(op).grid.gemm
+        cap = self.max_macs if gemm else self.max_elements
+        if gemm and dtype == torch.float32 and self.device.type == "cuda":
             cap //= 8  # float32 GEMMs: 1/8-1/15 of bf16's rate on an H200
         m = 2 ** max(0, math.floor(math.log2(max(cap // math.prod(features), 1))))
         return min(m, max(self.tokens))
@@ -104,10 +83,12 @@ class Plan:
     def check_cap(self, op: str, features: tuple[int, ...]) -> int:
         """The largest M a parity check runs at: the float64 reference and eager's dropout (int64 tensor
         ops, 95 ms a call at 65536 x 4096) cost 10-100x the timed call."""
-        return max(1, (2**24 if op == "bias_act_dropout" else 2**34) // math.prod(features))
+        return max(1, ops.get(op).grid.check_work // math.prod(features))
 
 
-def default_plan(device: torch.device, quick: bool, budget: Optional[float]) -> Plan:
+def default_plan(
+    device: torch.device, quick: bool, budget: Optional[float], op_names: Optional[Sequence[str]] = None
+) -> Plan:
     """On a GPU a point holds at most 2**27 elements (~0.13 ms a pass in bf16) or 2**39 multiply-adds
     (~1 ms forward: 70B-wide layers reach M = 2048; beyond, the last segment continues). At 2**28 and
     2**40 the largest points took 159 of a full run's 376 s of series (H200, 2026-12-04: 5-10 ms
@@ -115,16 +96,17 @@ def default_plan(device: torch.device, quick: bool, budget: Optional[float]) -> 
     The grid has no M = 16 (M = 1 and 256 are both host-bound for nearly every call, and host costs
     are pooled per family), and bisection stops at neighbours 4x apart: crossovers to within 2x."""
     gpu = device.type == "cuda"
+    sizes = features(device.type, quick, ops.names() if op_names is None else op_names)
     if quick:
         return Plan(
             device, True, (torch.bfloat16,) if gpu else (torch.float32,), SHARED_DTYPES if gpu else {},
-            QUICK_FEATURES["cuda" if gpu else "cpu"], (1, 64, 4096, 65536) if gpu else (1, 16, 256), 4.0,
+            sizes, (1, 64, 4096, 65536) if gpu else (1, 16, 256), 4.0,
             2**28 if gpu else 2**18, 2**40 if gpu else 2**28, 2 if gpu else 3,
             budget if budget is not None else (90.0 if gpu else 150.0),
         )  # fmt: skip
     return Plan(
         device, False, (torch.bfloat16, torch.float32) if gpu else (torch.float32, torch.bfloat16),
-        SHARED_DTYPES if gpu else {}, FEATURES, (1, 256, 4096, 65536) if gpu else (1, 16, 256, 4096),
+        SHARED_DTYPES if gpu else {}, sizes, (1, 256, 4096, 65536) if gpu else (1, 16, 256, 4096),
         4.0 if gpu else 2.0, 2**27 if gpu else 2**22, 2**39 if gpu else 2**30, 3,
         budget if budget is not None else 550.0, FLOAT32_SIZES if gpu else 0,
     )  # fmt: skip
@@ -168,15 +150,17 @@ class Series:
 def servers(op: str, activation: str) -> frozenset[str]:
     from dispatch.registry import backends
 
-    return frozenset(n for n, b in backends().items() if op in b.ops and activation in b.activations)
+    return frozenset(n for n, b in backends().items() if b.implements(op) and activation in b.activations)
 
 
 def classes(op: str, activations: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """CLASSES restricted to ``activations``, each led by the member most backends serve; a member served
-    by a backend its representative lacks is measured alone (that backend's timings would be missing)."""
-    listed = {a for cls in CLASSES[op] for a in cls}
+    """The op's activation classes restricted to ``activations``, each led by the member most backends
+    serve; a member served by a backend its representative lacks is measured alone (that backend's
+    timings would be missing)."""
+    own = ops.get(op).grid.classes
+    listed = {a for cls in own for a in cls}
     out: list[tuple[str, ...]] = []
-    for cls in [*CLASSES[op], *((a,) for a in activations if a not in listed)]:
+    for cls in [*own, *((a,) for a in activations if a not in listed)]:
         chosen = [a for a in cls if a in activations]
         if chosen:
             rep = max(chosen, key=lambda a: len(servers(op, a)))
@@ -207,17 +191,6 @@ def spread(items: list) -> list:
 
 
 # ----------------------------------------------------------------------------- the decision rule
-
-
-def costs(point: dict, host: Optional[dict[str, float]] = None) -> dict[str, float]:
-    """Each backend's max(gpu_us, host_us) at a point (``host`` overrides its host costs); no baseline."""
-    gpu, host = point.get("gpu_us", {}), {**point.get("host_us", {}), **(host or {})}
-    return {n: max(gpu[n], host[n]) for n in gpu if n in host and n != BASELINE}
-
-
-def estimated(p: dict) -> set[str]:
-    """The entries a point holds at their estimate (hopeless there, not timed in rounds)."""
-    return {n for n, how in p.get("gpu_clock", {}).items() if how == "estimate"}
 
 
 def _host_samples(p: dict) -> dict[str, float]:
@@ -254,27 +227,6 @@ def pool_host(entries: list[dict]) -> None:
             own = _host_samples(p)
             p.setdefault("host_us_measured", dict(p["host_us"]))
             p["host_us"].update({n: float(f"{med[n]:.4g}") for n in own if n in med})
-
-
-def preference(mode: str) -> tuple[str, ...]:
-    return PREFERENCE_INFERENCE if mode == "inference" else PREFERENCE
-
-
-def rank(values: dict[str, float], order: tuple[str, ...] = PREFERENCE) -> list[str]:
-    """Names best first: among those within NOISE of the smallest the first in ``order`` wins."""
-    best = min(values.values())
-    pref = {n: (order.index(n) if n in order else len(order), n) for n in values}
-    winner = min((n for n in values if values[n] <= best * (1 + NOISE)), key=pref.__getitem__)
-    return [winner] + sorted((n for n in values if n != winner), key=lambda n: (values[n], pref[n]))
-
-
-def winner(point: dict, order: tuple[str, ...] = PREFERENCE) -> Optional[str]:
-    c = costs(point)
-    return rank(c, order)[0] if c else None
-
-
-def bound(point: dict, name: str) -> str:
-    return "host" if point["host_us"][name] > point["gpu_us"][name] else "gpu"
 
 
 def compiling() -> frozenset[str]:

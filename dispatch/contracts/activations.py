@@ -124,3 +124,9 @@ def get_activation(name: object) -> Activation:
             f"activation must be one of {', '.join(ACTIVATION_NAMES)}; got {name!r}"
         )
     return act
+
+
+# Gated activations of an MLP block's first projection (fused_mlp): act(gate) * up, where the projection
+# yields [gate; up] (gate rows first, as Phi-3's gate_up_proj) -> the activation applied to the gate.
+GATES: dict[str, str] = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh", "reglu": "relu"}
+GATED_NAMES: tuple[str, ...] = tuple(GATES)

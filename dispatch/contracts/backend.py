@@ -1,111 +1,28 @@
-"""What a backend is, as the dispatcher and every backend agree on it: the call (``Call``), the
-backend's declaration of what it supports (``Backend``), and the functions each op module provides
-(``BiasActDropoutImpl``, ``FusedLinearImpl``). Imports nothing of ours but the other contracts.
+"""What a backend is, as the dispatcher and every backend agree on it: the call (``Call``) and the
+backend's declaration of what it supports (``Backend``). Imports nothing of ours but the other
+contracts.
 
 A backend is one folder under ``backends/`` whose ``__init__`` builds a :class:`Backend` named
-``BACKEND``; ``dispatch.registry`` collects them. Each op a backend implements is a module (or any
-object) with the functions of :class:`BiasActDropoutImpl` or :class:`FusedLinearImpl`.
+``BACKEND``; ``dispatch.registry`` collects them. For each op it implements it gives one kernels
+object, of the protocol the op's spec defines (``dispatch/ops/<op>.py``: ``Kernels``); a backend that
+serves every op (eager: the spec's reference; pytorch: its baseline) builds them from the spec.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Protocol
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
-from torch import Tensor
-
-from dispatch.contracts.rng import Rng
-
-OPS = ("bias_act_dropout", "fused_linear")
 
 
-class BiasActDropoutImpl(Protocol):
-    """x is (M, N) with any strides, bias (N,) contiguous or None; rng is ``dispatch.contracts.rng``'s (seed,
-    offset), an int64 tensor or a ``HostRng``, or None (no dropout, p == 0). forward returns a new
-    contiguous (M, N) tensor of x's dtype. Optional: ``trusted``, an object with the same forward and
-    backward minus the op's own argument checks, which the dispatcher calls once it has validated the
-    call (``trusted``)."""
-
-    def forward(
-        self, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng]
-    ) -> Tensor: ...
-
-    def backward(
-        self,
-        grad_y: Tensor,
-        x: Tensor,
-        bias: Optional[Tensor],
-        activation: str,
-        p: float,
-        rng: Optional[Rng],
-        need_x: bool,
-        need_bias: bool,
-    ) -> tuple[Optional[Tensor], Optional[Tensor]]: ...
-
-
-def trusted(impl: object) -> object:
-    """The op as the dispatcher calls it, after validating the call itself: ``impl.trusted`` where the
-    op offers one (the same functions without the op's own argument checks, which repeat the
-    dispatcher's), else ``impl``. Resolved once per decision."""
-    return getattr(impl, "trusted", impl)
-
-
-class FusedLinearImpl(Protocol):
-    """x is (M, K) and weight (N, K) with any strides, bias (N,) contiguous or None. forward returns the
-    contiguous (M, N) output and ``saved``, what its backward needs beyond the inputs (the
-    pre-activation x @ W^T + b in x's dtype, or for relu the output y itself, as torch.relu keeps it:
-    y > 0 exactly where the pre-activation is; None for identity); backward receives that same
-    ``saved``: the two halves of a call always run on one backend. Optional: ``infer(x, weight, bias, activation) -> y``, used for calls without
-    autograd by a backend whose forward would keep something for backward (triton's pre-activation);
-    without it those calls take forward's y. Optional: ``differentiable(activation)``, a function of
-    (x, weight, bias, activation) that torch's own autograd differentiates, or None; calls with autograd
-    use it where it is given (eager: no Python autograd.Function around PyTorch's own kernels), else
-    forward and backward wrapped in the dispatcher's Function (``dispatch.api.fused_linear_training``)."""
-
-    def forward(
-        self, x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str
-    ) -> tuple[Tensor, Optional[Tensor]]: ...
-
-
-    def backward(
-        self,
-        grad_y: Tensor,
-        x: Tensor,
-        weight: Tensor,
-        bias: Optional[Tensor],
-        saved: Optional[Tensor],
-        activation: str,
-        needs: tuple[bool, bool, bool],
-    ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]: ...
-
-
-def fused_linear_inference(
-    impl: FusedLinearImpl,
-) -> Callable[[Tensor, Tensor, Optional[Tensor], str], Tensor]:
-    """How a fused_linear call without autograd runs on ``impl``: ``impl.infer`` where the backend has
-    one, else forward's y; a function of (x, weight, bias, activation). The dispatcher resolves it once
-    per decision: getattr of a module's missing attribute raises and catches an AttributeError, ~1.7 us
-    per call on Python 3.11."""
-    infer = getattr(impl, "infer", None)
-    if infer is not None:
-        return infer
-    forward = impl.forward
-
-    def forward_y(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
-        return forward(x, weight, bias, activation)[0]
-
-    return forward_y
-
-
-@dataclass(frozen=True)
-class Call:
+class Call(NamedTuple):
     """What the dispatcher knows of one call: the key of its decision."""
 
     op: str
     device: torch.device
     dtype: torch.dtype
-    shape: tuple[int, ...]  # (M, N) for bias_act_dropout, (M, N, K) for fused_linear
+    shape: tuple[int, ...]  # the op's decision dims, M first: (M, N), (M, N, K), ...
     activation: str
     dropout: bool  # p > 0 and training
     training: bool  # autograd will need a backward
@@ -118,6 +35,24 @@ class Call:
         return f"{self.op}({dims}, {dtype}, {self.activation}{drop}, {mode}) on {self.device}"
 
 
+def _never(activation: str) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One backend's implementation of one op; the signatures are the op's (its spec's docstring).
+    ``autograd(activation)``: forward is plain torch ops that torch's autograd differentiates itself
+    (no Function around it); ``masks``: "spec" regenerates dropout masks from
+    ``dispatch.contracts.rng`` in backward, "torch" draws them from torch's RNG as nn.Dropout does."""
+
+    forward: Callable[..., Any]
+    backward: Callable[..., Any]
+    inference: Callable[..., Any]
+    autograd: Callable[[str], bool] = _never
+    masks: str = "spec"
+
+
 def _always_available() -> Optional[str]:
     return None
 
@@ -126,14 +61,20 @@ def _no_extra_reasons(call: Call, explicit: bool) -> list[str]:
     return []
 
 
+def _no_generic(op: str) -> Optional["Kernels"]:
+    return None
+
+
 @dataclass(frozen=True)
 class Backend:
     """What one backend supports. ``unavailable()`` returns why it cannot run here at all (or None);
     ``extra_reasons(call, explicit)`` adds backend-specific refusals (``explicit`` is False when the
-    dispatcher picks on its own, e.g. Triton's CPU interpreter serves only explicit requests)."""
+    dispatcher picks on its own, e.g. Triton's CPU interpreter serves only explicit requests).
+    ``kernels`` maps op names to kernels objects; ``generic(op)`` builds them for ops not listed
+    (a backend that serves every op from its spec), or returns None."""
 
     name: str
-    ops: Mapping[str, object]
+    kernels: Mapping[str, Kernels]
     devices: frozenset[str]
     dtypes: frozenset[torch.dtype]
     activations: frozenset[str]
@@ -146,18 +87,29 @@ class Backend:
     # Traces and compiles a graph for each new kind of call (seconds on a first call, with work of its
     # own on the GPU): never given a call for the first time inside a CUDA-graph capture.
     compiles: bool = False
+    generic: Callable[[str], Optional[Kernels]] = _no_generic
+    # Dropout masks from torch's RNG (as nn.Dropout), not dispatch.contracts.rng's spec.
+    torch_masks: bool = False
 
     def display_name(self) -> str:
         detail = self.label()
         return f"{self.name} ({detail})" if detail else self.name
 
+    def kernels_for(self, op: str) -> Optional[Kernels]:
+        """The kernels serving ``op``, or None."""
+        found = self.kernels.get(op)
+        return found if found is not None else self.generic(op)
+
+    def implements(self, op: str) -> bool:
+        return op in self.kernels or self.generic(op) is not None
+
     def not_supported_reasons(self, call: Call, explicit: bool = True) -> list[str]:
+        if not self.implements(call.op):  # first: no device would change that
+            return [f"{self.name} does not implement {call.op}"]
         why = self.unavailable()
         if why:
             return [why]
         reasons = []
-        if call.op not in self.ops:
-            reasons.append(f"{self.name} does not implement {call.op}")
         if call.device.type not in self.devices:
             reasons.append(
                 f"{self.name} needs a {' or '.join(sorted(self.devices))} device; x is on {call.device}"
@@ -180,6 +132,3 @@ class Backend:
         if not reasons:
             reasons.extend(self.extra_reasons(call, explicit))
         return reasons
-
-    def impl(self, op: str) -> object:
-        return self.ops[op]

@@ -86,15 +86,17 @@ def advance(numel: int) -> int:
     return (-(-numel // GROUP) + 3) & ~3
 
 
-def draw_for(x: Tensor, generator: torch.Generator | None = None) -> Rng:
-    """The rng of one call on ``x``: ``HostRng`` read from the CUDA generator (advanced past the
-    call's counters) on CUDA outside graph capture, else ``draw``'s tensor."""
+def draw_for(x: Tensor, generator: torch.Generator | None = None, numel: int | None = None) -> Rng:
+    """The rng of one call on ``x`` (a mask of ``numel`` elements, x's by default): ``HostRng`` read
+    from the CUDA generator (advanced past the call's counters) on CUDA outside graph capture, else
+    ``draw``'s tensor."""
     if x.is_cuda:
+        n = x.numel() if numel is None else numel
         if generator is None:
-            return draw_cuda(x.get_device(), x.numel())
+            return draw_cuda(x.get_device(), n)
         if generator.device.type != "cuda":
             return draw(x.device, generator)  # torch's own error for a generator of another device
-        return _from_host(generator, x.numel()) or draw(x.device, generator)
+        return _from_host(generator, n) or draw(x.device, generator)
     return draw(x.device, generator)
 
 

@@ -1,5 +1,5 @@
-"""Argument checks of the public ops: each bad input raises one clear error naming the argument, what
-was expected and what came, in argument order. Every call of the public ops passes through here once."""
+"""Argument checks the op specs share: each bad input raises one clear error naming the argument, what
+was expected and what came. Every call of the public ops passes through here once."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _is_numpy_bool(value: object) -> bool:
     return numpy is not None and isinstance(value, numpy.bool_)
 
 
-def _check_tensor(name: str, t: object) -> Tensor:
+def check_tensor(name: str, t: object) -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type_name(t)}")
     # every backend indexes dense memory: sparse and nested tensors would fail inside PyTorch or a kernel
@@ -42,29 +42,29 @@ def _check_tensor(name: str, t: object) -> Tensor:
     return t
 
 
-def _check_like(name: str, t: object, dtype: torch.dtype, device: torch.device) -> Tensor:
+def check_like(name: str, t: object, dtype: torch.dtype, device: torch.device) -> Tensor:
     """An operand that must match x: a dense tensor of x's dtype (a floating one, checked) and device."""
     if not isinstance(t, Tensor) or t.dtype is not dtype:
-        _check_tensor(name, t)  # names a non-tensor or a non-floating dtype first
+        check_tensor(name, t)  # names a non-tensor or a non-floating dtype first
         raise TypeError(f"{name} must have x's dtype {dtype}, got {t.dtype}")
     if t.layout is not torch.strided or t.is_nested:
-        _check_tensor(name, t)
+        check_tensor(name, t)
     if t.device != device:
         raise ValueError(f"{name} must be on x's device {device}, got {t.device}")
     return t
 
 
-def _check_bias(bias: object, n: int, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
-    """bias as the backends take it: None, or (n,) like x and unit-stride (a copy of n values if not)."""
+def check_bias(name: str, bias: object, n: int, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
+    """A bias as the backends take it: None, or (n,) like x and unit-stride (a copy of n values if not)."""
     if bias is None:
         return None
-    b = _check_like("bias", bias, dtype, device)
+    b = check_like(name, bias, dtype, device)
     if b.shape != (n,):
-        raise ValueError(f"bias must have shape ({n},) to match the output's last dimension, got {tuple(b.shape)}")
+        raise ValueError(f"{name} must have shape ({n},) to match the output's last dimension, got {tuple(b.shape)}")
     return b if b.is_contiguous() else b.contiguous()
 
 
-def _rows_of(shape: torch.Size) -> tuple[int, int]:
+def rows_of(shape: torch.Size) -> tuple[int, int]:
     """x's shape as the backends see it, (M, features), with M the product of the leading dims."""
     dims = len(shape)
     if dims == 2:
@@ -90,24 +90,32 @@ def check_backend(backend: object) -> Optional[str]:
     return backend
 
 
-def _check_p(p: object) -> float:
+def check_p(p: object, name: str = "p") -> float:
     """p as a float in [0, 1]: any real number (numpy's included) but a bool, which is a number to
     Python but surely a mistake here. NaN fails the range test (every comparison with NaN is False)."""
     if type(p) is float and 0.0 <= p <= 1.0:  # the common case skips numbers.Real's ABC check
         return p
     if isinstance(p, bool) or _is_numpy_bool(p):
-        raise ValueError(f"p must be a number in [0, 1], got {p!r} (a bool)")
+        raise ValueError(f"{name} must be a number in [0, 1], got {p!r} (a bool)")
     if not isinstance(p, numbers.Real):
-        raise ValueError(f"p must be a number in [0, 1], got {p!r} ({type_name(p)})")
+        raise ValueError(f"{name} must be a number in [0, 1], got {p!r} ({type_name(p)})")
     value = float(p)
     if math.isnan(value):
-        raise ValueError(f"p must be a number in [0, 1], got {p!r} (not a number)")
+        raise ValueError(f"{name} must be a number in [0, 1], got {p!r} (not a number)")
     if not 0.0 <= value <= 1.0:
-        raise ValueError(f"p must be a number in [0, 1], got {p!r}")
+        raise ValueError(f"{name} must be a number in [0, 1], got {p!r}")
     return value
 
 
-def _check_training(training: object) -> bool:
+def check_generator(generator: object, device: torch.device) -> None:
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type_name(generator)}")
+        if generator.device.type != device.type:
+            raise ValueError(f"generator must be on x's device type {device.type}, got {generator.device}")
+
+
+def check_training(training: object) -> bool:
     if type(training) is bool:
         return training
     if _is_numpy_bool(training):  # e.g. a flag read from an array: the same truth value
@@ -119,22 +127,18 @@ def bias_act_dropout_args(
     x: object, bias: object, activation: object, p: object, training: object, generator: object
 ) -> tuple[Tensor, Optional[Tensor], str, float, bool, tuple[int, int], torch.device, torch.dtype]:
     """The checked arguments, whether dropout applies, x's (M, N), device and dtype."""
-    x = _check_tensor("x", x)
-    rows = _rows_of(x.shape)
+    x = check_tensor("x", x)
+    rows = rows_of(x.shape)
     device, dtype = x.device, x.dtype
-    bias = _check_bias(bias, rows[1], dtype, device)
+    bias = check_bias("bias", bias, rows[1], dtype, device)
     # the common values take one test each; the checks that name a bad value run only for the rest
     if type(activation) is not str or activation not in ACTIVATIONS:
         activation = _check_activation(activation)
     if type(p) is not float or not 0.0 <= p <= 1.0:
-        p = _check_p(p)
+        p = check_p(p)
     if type(training) is not bool:
-        training = _check_training(training)
-    if generator is not None:
-        if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None, got {type_name(generator)}")
-        if generator.device.type != device.type:
-            raise ValueError(f"generator must be on x's device type {device.type}, got {generator.device}")
+        training = check_training(training)
+    check_generator(generator, device)
     return x, bias, activation, p, training and p > 0, rows, device, dtype
 
 
@@ -142,10 +146,10 @@ def fused_linear_args(
     x: object, weight: object, bias: object, activation: object
 ) -> tuple[Tensor, Tensor, Optional[Tensor], str, tuple[int, int, int], torch.device, torch.dtype]:
     """The checked arguments, the call's (M, N, K), x's device and dtype."""
-    x = _check_tensor("x", x)
-    m, k = _rows_of(x.shape)
+    x = check_tensor("x", x)
+    m, k = rows_of(x.shape)
     device, dtype = x.device, x.dtype
-    w = _check_like("weight", weight, dtype, device)
+    w = check_like("weight", weight, dtype, device)
     wshape = w.shape
     if len(wshape) != 2 or wshape[1] != k:
         raise ValueError(
@@ -154,4 +158,4 @@ def fused_linear_args(
     n = wshape[0]
     if type(activation) is not str or activation not in ACTIVATIONS:
         activation = _check_activation(activation)
-    return x, w, _check_bias(bias, n, dtype, device), activation, (m, n, k), device, dtype
+    return x, w, check_bias("bias", bias, n, dtype, device), activation, (m, n, k), device, dtype

@@ -1,0 +1,176 @@
+"""What an op is, as the dispatcher, the backends, the calibrator and the tables agree on it.
+
+An op is one ``OpSpec`` (``dispatch/ops/<op>.py``): its argument checks, which produce one typed call
+object (an ``OpCall``), the features its table keys on, the reference math, the plain-PyTorch
+baseline, how a call runs on a backend's kernels, and its calibration inputs. Backends give each op
+they implement one kernels object; the spec says how to call it. Imports nothing of ours but the
+other contracts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from dispatch.contracts.backend import Call, Kernels
+
+P_DROPOUT = 0.1  # the p of every calibrated dropout case: a cost does not depend on p, 0.1 is common
+
+
+class OpCall:
+    """One checked call of an op: what its decision keys on (``call``) and its arguments. Each op
+    subclasses it with its own tensors and parameters."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+
+@dataclass(frozen=True)
+class Case:
+    """One shape of one op as the calibrator and parity run it: ``features`` are the decision dims
+    after M ((N,) or (N, K)); ``p`` the dropout probability of a dropout case."""
+
+    op: str
+    dtype: torch.dtype
+    activation: str
+    training: bool  # forward + backward; inference is the forward under no_grad
+    dropout: bool
+    m: int
+    features: tuple[int, ...]
+    device: torch.device
+
+    def call(self) -> Call:
+        shape = (self.m, *self.features)
+        return Call(self.op, self.device, self.dtype, shape, self.activation, self.dropout, self.training)
+
+    @property
+    def p(self) -> float:
+        return P_DROPOUT if self.dropout else 0.0
+
+    @property
+    def seed(self) -> int:
+        import zlib
+
+        return zlib.crc32(repr(self).encode())
+
+
+@dataclass
+class Inputs:
+    """A case's random inputs: the op's tensors in argument order, the upstream gradient and the
+    seed of the dropout generator."""
+
+    tensors: list[Tensor]
+    grad_y: Tensor
+    seed: int
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What the calibrator measures of an op on one device class: feature sizes in priority order,
+    the activation classes that share one timing, and the work cap of a point."""
+
+    features: tuple[tuple[int, ...], ...]  # full runs, priority order
+    quick: dict[str, tuple[tuple[int, ...], ...]]  # device type -> a quick run's sizes
+    classes: tuple[tuple[str, ...], ...]  # activations of a class share one timing
+    gemm: bool  # a point's cap counts multiply-adds (M*N*K), else elements (M*N)
+    check_work: int  # the largest M*prod(features) a parity check runs at (the float64 reference)
+    families: tuple[tuple[str, bool], ...]  # (mode, dropout) in the scheduler's priority order
+    # parity's shapes (M, *features) by device type, the first for --quick; odd sizes catch masking
+    # bugs at block edges, CPU ones stay small for Triton's interpreter
+    parity: dict[str, tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)
+    outputs: tuple[str, ...] = ("y",)  # what a training run returns: y, then each input's gradient
+
+
+class OpSpec:
+    """One op. Subclasses fill the attributes and implement the methods; ``dispatch.ops.register``
+    makes an instance known to the dispatcher, the calibrator and the tables."""
+
+    name: str  # the op's name in tables, backends and explain()
+    public_name: str  # the public function's name
+    dims: tuple[str, ...]  # the decision shape's dims, M first: ("M", "N") or ("M", "N", "K")
+    activations: tuple[str, ...]
+    dropout: bool  # whether calls may drop out (a table key field)
+    grid: Grid
+
+    @property
+    def feature_dims(self) -> int:
+        return len(self.dims) - 1
+
+    def parse(self, *args: Any, **kwargs: Any) -> OpCall:
+        """The checked call: raises a clear error naming the first bad argument."""
+        raise NotImplementedError
+
+    def runner(self, kernels: Any, call: Call) -> Callable[[OpCall], Tensor]:
+        """How calls like ``call`` run on ``kernels`` (resolved once per decision)."""
+        raise NotImplementedError
+
+    def special(self, c: OpCall, backend: Optional[str]) -> Optional[Tensor]:
+        """The result of a call no kernel should see (bias_act_dropout's p == 1), else None."""
+        return None
+
+    def traced(self, c: OpCall, backend: Optional[str], inline: bool) -> Tensor:
+        """The call under torch.compile: plain math inductor fuses (``inline``), or a custom op."""
+        raise NotImplementedError
+
+    def reference(self, c: OpCall, upcast: bool = False) -> Tensor:
+        """The differentiable definition (float64 when ``upcast``), the spec's dropout mask."""
+        raise NotImplementedError
+
+    def baseline(self, c: OpCall) -> Tensor:
+        """The composite a user would write, dropout from torch's RNG."""
+        raise NotImplementedError
+
+    def baseline_kernels(self) -> Kernels:
+        """The baseline as kernels (the pytorch backend's): torch's autograd, torch's masks."""
+        raise NotImplementedError
+
+    def reference_kernels(self) -> Optional[Kernels]:
+        """The reference as kernels, for the eager backend where it has no kernel file of this op."""
+        return None
+
+    # calibration and parity: one case's inputs, a run through the public op, the float64 reference
+
+    def inputs(self, case: Case, seed: int) -> Inputs:
+        raise NotImplementedError
+
+    def run_case(self, case: Case, leaves: Sequence[Tensor], backend: Optional[str], seed: int) -> Tensor:
+        """The op on ``leaves`` through its public function (``backend=None``: the baseline composite)."""
+        raise NotImplementedError
+
+    def reference_case(
+        self, case: Case, leaves: Sequence[Tensor], seed: int, drawn: Optional[Tensor] = None
+    ) -> Tensor:
+        """The reference on ``leaves`` with the case's dropout mask, or the mask recovered from an output
+        ``drawn`` by a backend whose masks come from torch's RNG."""
+        raise NotImplementedError
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The math dtype of PyTorch-op kernels: float32 for half inputs (PyTorch's opmath), else x's own."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def differentiable_grads(
+    make_y: Callable[[], Tensor], inputs: tuple, needs: tuple, grad_y: Tensor
+) -> tuple[Optional[Tensor], ...]:
+    """A backward with ``create_graph=True``: the gradients of the reference ``make_y()`` in ``inputs``
+    with a graph, so that they are differentiable again (a kernel's numbers would drop the
+    second-order terms). None where an input is None or needs no gradient."""
+    wanted = [t for t, need in zip(inputs, needs) if need and t is not None]
+    if not wanted:
+        return (None,) * len(inputs)
+    y = make_y()
+    found = iter(torch.autograd.grad(y, wanted, grad_y.to(y.dtype), create_graph=True, allow_unused=True))
+    return tuple(next(found) if need and t is not None else None for t, need in zip(inputs, needs))
+
+
+def recovered_keep(y: Tensor, undropped: Tensor) -> Tensor:
+    """A dropout mask read back from an output: kept where y is nonzero or where the undropped value
+    is zero anyway (there the mask changes nothing, forward or backward, for the ops here)."""
+    return (y != 0) | (undropped == 0)

@@ -1,0 +1,73 @@
+"""The ops, one spec per file (``dispatch.contracts.op.OpSpec``), and the registry that makes a spec known
+to the dispatcher, the calibrator, the tables and the backends that serve every op (eager, pytorch).
+
+A spec imports only the contracts: where it must reach the dispatcher (its public function, a custom
+op that picks its kernels when a compiled graph runs) it goes through ``dispatcher()``, which the
+dispatcher installs when ``dispatch`` is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Optional, Protocol
+
+from torch import Tensor
+
+from dispatch.contracts.backend import Call
+from dispatch.contracts.op import OpCall, OpSpec
+
+# The package's own ops, imported on first use (importing dispatch loads no spec it does not call).
+BUILTIN = ("bias_act_dropout", "fused_linear", "fused_mlp")
+
+_specs: dict[str, OpSpec] = {}
+
+
+def register(spec: OpSpec) -> OpSpec:
+    """Adds ``spec`` (replacing one of the same name: a test's toy op may be registered again)."""
+    _specs[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    _specs.pop(name, None)
+
+
+def get(name: str) -> OpSpec:
+    """The spec called ``name``, or a ValueError listing the known ops."""
+    found = _specs.get(name)
+    if found is None and name in BUILTIN:
+        importlib.import_module(f"dispatch.ops.{name}")
+        found = _specs.get(name)
+    if found is None:
+        raise ValueError(f"op must be one of {', '.join(names())}; got {name!r}")
+    return found
+
+
+def names() -> tuple[str, ...]:
+    """Every known op: the package's, then those registered since."""
+    return (*BUILTIN, *(n for n in _specs if n not in BUILTIN))
+
+
+def all_specs() -> list[OpSpec]:
+    return [get(n) for n in names()]
+
+
+class Dispatcher(Protocol):
+    """What a spec asks of the dispatcher."""
+
+    def run(self, spec: OpSpec, c: OpCall, backend: Optional[str]) -> Tensor: ...
+
+    def kernels(self, call: Call, backend: Optional[str]) -> Any: ...
+
+
+_dispatcher: Optional[Dispatcher] = None
+
+
+def install(dispatcher: Dispatcher) -> None:
+    global _dispatcher
+    _dispatcher = dispatcher
+
+
+def dispatcher() -> Dispatcher:
+    assert _dispatcher is not None, "dispatch.api installs the dispatcher when dispatch is imported"
+    return _dispatcher

@@ -1,0 +1,382 @@
+"""bias_act_dropout: Dropout(Activation(x + bias)), the op's one room.
+
+In order: the call object and its checks, the kernels every backend implements, the reference and
+baseline math, how a call runs on kernels (inference, torch's autograd, or the autograd Function that
+regenerates the mask in backward), the torch.library custom ops a compiled graph keeps, the public
+function, and the calibration inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dispatch import ops
+from dispatch.contracts import checks
+from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS
+from dispatch.contracts.backend import Call, Kernels
+from dispatch.contracts.op import (
+    Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads, recovered_keep,
+)  # fmt: skip
+from dispatch.contracts.rng import Rng
+
+NAME = "bias_act_dropout"
+
+
+class BiasActDropoutCall(OpCall):
+    __slots__ = ("x", "bias", "activation", "p", "dropout", "generator", "shape")
+
+    def __init__(self, call: Call, x: Tensor, bias: Optional[Tensor], activation: str, p: float,
+                 dropout: bool, generator: Optional[torch.Generator], shape: torch.Size) -> None:  # fmt: skip
+        super().__init__(call)
+        self.x = x  # (M, N): a view of the caller's x where strides allow
+        self.bias = bias  # (N,) contiguous, or None
+        self.activation = activation
+        self.p = p  # 0.0 unless dropout
+        self.dropout = dropout  # training and p > 0
+        self.generator = generator
+        self.shape = shape  # the caller's x shape, the output's
+
+
+def parse(
+    x: object,
+    bias: object = None,
+    activation: object = "gelu",
+    p: object = 0.0,
+    training: object = True,
+    *,
+    generator: object = None,
+) -> BiasActDropoutCall:
+    """The checked call; the errors name the first bad argument in argument order."""
+    x, bias, activation, p, dropout, shape, device, dtype = checks.bias_act_dropout_args(
+        x, bias, activation, p, training, generator
+    )
+    rows = x if x.dim() == 2 else x.reshape(shape[0], shape[1])
+    grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    call = Call(NAME, device, dtype, shape, activation, dropout and p < 1.0, grad)
+    return BiasActDropoutCall(call, rows, bias, activation, p if dropout else 0.0, dropout, generator, x.shape)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+# A backend's ``Kernels`` (dispatch.contracts.backend) for this op. x (M, N) any strides, bias (N,)
+# contiguous or None; ``rng`` the spec's (seed, offset) (dispatch.contracts.rng) for masks "spec", the
+# caller's generator or None for masks "torch"; None without dropout. y is a new contiguous (M, N)
+# tensor of x's dtype.
+#   forward(x, bias, activation, p, rng) -> y              a call with autograd
+#   inference(x, bias, activation, p, rng) -> y            a call without
+#   backward(grad_y, x, bias, activation, p, rng, need_x, need_bias) -> (grad_x, grad_bias)
+
+
+# ----------------------------------------------------------------------------- math
+
+
+def reference(
+    x: Tensor,
+    bias: Optional[Tensor],
+    activation: str,
+    p: float = 0.0,
+    rng: Optional[Rng] = None,
+    upcast: bool = False,
+    keep: Optional[Tensor] = None,
+) -> Tensor:
+    """The definition, differentiable, on (..., N) inputs; float64 when ``upcast``, else x's dtype.
+    The mask is the spec's for ``rng``, or ``keep`` (a mask another RNG drew)."""
+    n = x.shape[-1]
+    dtype = torch.float64 if upcast else x.dtype
+    z = x.reshape(-1, n).to(dtype)
+    if bias is not None:
+        z = z + bias.to(dtype)
+    y = ACTIVATIONS[activation].forward(z)
+    if keep is None and rng is not None:
+        keep = dropout_rng.keep_mask(rng, z.shape[0], n, p, z.device)
+    if keep is not None:
+        # F.dropout's product: a dropped NaN or inf gives NaN, a dropped finite value 0
+        y = y * keep.reshape(y.shape) * dropout_rng.keep_scale(p)
+    return y.reshape(x.shape)
+
+
+def baseline(
+    x: Tensor, bias: Optional[Tensor], activation: str, p: float, generator: Optional[torch.Generator] = None
+) -> Tensor:
+    """What a user writes: ``F.dropout(act(x + bias), p)``, torch's RNG; what torch.compile traces.
+    With a ``generator`` the mask is drawn from it (F.dropout takes none): bernoulli, as F.dropout."""
+    y = ACTIVATIONS[activation].forward(x if bias is None else x + bias)
+    if p == 0.0:
+        return y
+    if generator is None:
+        return F.dropout(y, p, training=True)
+    keep = y.new_empty(y.shape).bernoulli_(1.0 - p, generator=generator)  # logical order, any strides
+    return y * keep * (1.0 / (1.0 - p))
+
+
+def _baseline_backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Any,
+                       need_x: bool, need_bias: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:  # fmt: skip
+    """The baseline's backward where it can be a separate call: without dropout (a torch-RNG mask
+    is kept by autograd, never regenerated, so such calls run under torch's autograd only)."""
+    if p != 0.0:
+        raise RuntimeError("the pytorch backend's dropout mask is torch's: its backward is autograd's")
+    leaves = [t.detach().requires_grad_(need) if t is not None else None for t, need in ((x, need_x), (bias, need_bias))]
+    with torch.enable_grad():
+        y = baseline(leaves[0], leaves[1], activation, 0.0)
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    found = iter(torch.autograd.grad(y, wanted, grad_y) if wanted else ())
+    grad_x, grad_bias = (next(found) if t is not None and t.requires_grad else None for t in leaves)
+    return grad_x, grad_bias
+
+
+BASELINE_KERNELS = Kernels(
+    forward=baseline, backward=_baseline_backward, inference=baseline, autograd=lambda a: True, masks="torch"
+)
+
+
+# ----------------------------------------------------------------------------- running on kernels
+
+
+class BiasActDropout(torch.autograd.Function):
+    """A backend's forward and backward; the mask regenerated from rng, never saved."""
+
+    @staticmethod
+    def forward(ctx: Any, x, bias, kernels, activation, p, rng):  # type: ignore[override]
+        ctx.kernels, ctx.activation, ctx.p = kernels, activation, p
+        if isinstance(rng, Tensor) or rng is None:
+            ctx.save_for_backward(x, bias, rng)
+            ctx.rng = None
+        else:  # HostRng: plain integers
+            ctx.save_for_backward(x, bias)
+            ctx.rng = rng
+        return kernels.forward(x, bias, activation, p, rng)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y):  # type: ignore[override]
+        saved = ctx.saved_tensors
+        x, bias, rng = saved[0], saved[1], saved[2] if len(saved) == 3 else ctx.rng
+        need_x, need_bias = ctx.needs_input_grad[:2]
+        activation, p = ctx.activation, ctx.p
+        if torch.is_grad_enabled():  # create_graph=True: the reference, same mask
+            dtype = compute_dtype(x.dtype)
+
+            def make_y() -> Tensor:
+                return reference(x.to(dtype), None if bias is None else bias.to(dtype), activation, p, rng)
+
+            grad_x, grad_bias = differentiable_grads(make_y, (x, bias), (need_x, need_bias), grad_y)
+        else:
+            grad_x, grad_bias = ctx.kernels.backward(grad_y, x, bias, activation, p, rng, need_x, need_bias)
+        return grad_x, grad_bias, None, None, None, None
+
+
+def runner(kernels: Kernels, call: Call) -> Callable[[BiasActDropoutCall], Tensor]:
+    """How calls like ``call`` run on ``kernels``, chosen once per decision."""
+    spec_masks = kernels.masks == "spec"
+    if spec_masks and call.dropout:
+
+        def draw(c: BiasActDropoutCall) -> Any:
+            return dropout_rng.draw_for(c.x, c.generator)
+    else:
+
+        def draw(c: BiasActDropoutCall) -> Any:
+            return None if spec_masks else c.generator
+
+    if not call.training or kernels.autograd(call.activation):
+        run = kernels.inference if not call.training else kernels.forward
+
+        def direct(c: BiasActDropoutCall) -> Tensor:
+            y = run(c.x, c.bias, c.activation, c.p, draw(c))
+            return y if y.shape == c.shape else y.view(c.shape)
+
+        return direct
+    apply = BiasActDropout.apply
+
+    def with_function(c: BiasActDropoutCall) -> Tensor:
+        y = apply(c.x, c.bias, kernels, c.activation, c.p, draw(c))
+        return y if y.shape == c.shape else y.view(c.shape)
+
+    return with_function
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+_EMPTY = (0,)
+
+
+def _empty_if_none(t: Optional[Tensor], like: Tensor) -> Tensor:
+    return like.new_empty(_EMPTY) if t is None else t
+
+
+def _kernels(x: Tensor, activation: str, dropout: bool, training: bool, backend: str) -> Any:
+    call = Call(NAME, x.device, x.dtype, tuple(x.shape), activation, dropout, training)
+    return ops.dispatcher().kernels(call, backend or None)
+
+
+@torch.library.custom_op("fusedispatch::bias_act_dropout", mutates_args=())
+def _custom(
+    x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Tensor], backend: str, training: bool
+) -> Tensor:
+    kernels = _kernels(x, activation, rng is not None, training, backend)
+    return kernels.forward(x, bias, activation, p, rng if kernels.masks == "spec" else None)
+
+
+@_custom.register_fake
+def _(x, bias, activation, p, rng, backend, training):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("fusedispatch::bias_act_dropout_backward", mutates_args=())
+def _custom_backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, p: float,
+                     rng: Optional[Tensor], need_x: bool, need_bias: bool, backend: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+    kernels = _kernels(x, activation, rng is not None, True, backend)
+    grad_x, grad_bias = kernels.backward(grad_y, x, bias, activation, p, rng, need_x, need_bias)
+    return _empty_if_none(grad_x, x), _empty_if_none(grad_bias, x)
+
+
+@_custom_backward.register_fake
+def _(grad_y, x, bias, activation, p, rng, need_x, need_bias, backend):
+    grad_x = x.new_empty(x.shape if need_x else _EMPTY)
+    return grad_x, x.new_empty(bias.shape if need_bias and bias is not None else _EMPTY)
+
+
+def _setup(ctx, inputs, output):
+    x, bias, activation, p, rng, backend, _ = inputs
+    ctx.save_for_backward(x, bias, rng)
+    ctx.args = (activation, p, backend)
+
+
+def _backward(ctx, grad_y):
+    x, bias, rng = ctx.saved_tensors
+    activation, p, backend = ctx.args
+    need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and bias is not None
+    grad_x, grad_bias = _custom_backward(grad_y, x, bias, activation, p, rng, need_x, need_bias, backend)
+    return (grad_x if need_x else None), (grad_bias if need_bias else None), None, None, None, None, None
+
+
+_custom.register_autograd(_backward, setup_context=_setup)
+
+
+# ----------------------------------------------------------------------------- the spec
+
+
+class BiasActDropoutSpec(OpSpec):
+    name = NAME
+    public_name = "fused_bias_act_dropout"
+    dims = ("M", "N")
+    activations = ACTIVATION_NAMES
+    dropout = True
+    grid = Grid(
+        features=((3072,), (768,), (4096,), (14336,), (28672,)),  # GPT-2 MLP and hidden, LLaMA
+        quick={"cuda": ((3072,), (4096,), (14336,)), "cpu": ((3072,), (768,))},
+        classes=(("gelu", "gelu_tanh", "silu"), ("relu", "identity", "leaky_relu", "squared_relu")),
+        gemm=False,
+        check_work=2**24,  # eager's dropout (int64 tensor ops) takes 95 ms a call at 65536 x 4096
+        families=(("training", True), ("inference", False), ("training", False), ("inference", True)),
+        parity={"cpu": ((5, 33), (1, 7), (37, 130)), "cuda": ((1823, 781), (1, 7), (37, 1000), (4096, 4096))},
+        outputs=("y", "grad_x", "grad_bias"),
+    )
+
+    def parse(self, *args: Any, **kwargs: Any) -> BiasActDropoutCall:
+        return parse(*args, **kwargs)
+
+    def runner(self, kernels: Any, call: Call) -> Callable[[OpCall], Tensor]:
+        return runner(kernels, call)  # type: ignore[return-value]
+
+    def special(self, c: BiasActDropoutCall, backend: Optional[str]) -> Optional[Tensor]:
+        """p == 1 in training drops everything: the activation times zero, as F.dropout (zeros, NaN
+        where 0 * inf); not for the kernels (the 16-bit threshold stops at 65535/65536)."""
+        if c.dropout and c.p == 1.0:
+            return fused_bias_act_dropout(c.x, c.bias, c.activation, 0.0, False, backend=backend).mul(0.0).view(c.shape)
+        return None
+
+    def traced(self, c: OpCall, backend: Optional[str], inline: bool) -> Tensor:
+        """Inline: the baseline math, so inductor fuses it with its neighbours and draws the mask with its
+        own RNG (an opaque op cost compiled GPT-2 a pass over each MLP output), or the generator's as in
+        eager mode. Otherwise (a backend requested) one custom op with the spec's mask."""
+        assert isinstance(c, BiasActDropoutCall)
+        if inline:
+            return baseline(c.x, c.bias, c.activation, c.p, c.generator).view(c.shape)
+        rng = dropout_rng.draw(c.x.device, c.generator) if c.dropout else None
+        return _custom(c.x, c.bias, c.activation, c.p, rng, backend or "", c.call.training).view(c.shape)
+
+    def reference(self, c: OpCall, upcast: bool = False) -> Tensor:
+        assert isinstance(c, BiasActDropoutCall)
+        rng = dropout_rng.draw_for(c.x, c.generator) if c.dropout else None
+        return reference(c.x, c.bias, c.activation, c.p, rng, upcast).view(c.shape)
+
+    def baseline(self, c: OpCall) -> Tensor:
+        assert isinstance(c, BiasActDropoutCall)
+        return baseline(c.x, c.bias, c.activation, c.p, c.generator).view(c.shape)
+
+    def baseline_kernels(self) -> Kernels:
+        return BASELINE_KERNELS
+
+    def inputs(self, case: Case, seed: int) -> Inputs:
+        g = torch.Generator(device=case.device).manual_seed(seed)
+        n = case.features[0]
+
+        def randn(*shape: int, scale: float = 1.0) -> Tensor:
+            return (torch.randn(*shape, device=case.device, generator=g) * scale).to(case.dtype)
+
+        return Inputs([randn(case.m, n), randn(n, scale=0.5)], randn(case.m, n), seed)
+
+    def run_case(self, case: Case, leaves: Sequence[Tensor], backend: Optional[str], seed: int) -> Tensor:
+        x, b = leaves
+        gen = _generator(case, seed)
+        if backend is None:
+            return baseline(x, b, case.activation, case.p)
+        return fused_bias_act_dropout(x, b, case.activation, case.p, True, generator=gen, backend=backend)
+
+    def reference_case(self, case: Case, leaves: Sequence[Tensor], seed: int,
+                       drawn: Optional[Tensor] = None) -> Tensor:  # fmt: skip
+        x, b = leaves
+        if drawn is not None and case.dropout:
+            plain = reference(x.detach(), b.detach(), case.activation, upcast=True)
+            keep = recovered_keep(drawn.detach(), plain).to(plain.dtype)
+            return reference(x, b, case.activation, case.p, upcast=True, keep=keep)
+        gen = _generator(case, seed)
+        rng = dropout_rng.draw_for(x, gen) if gen is not None else None  # as the op draws
+        return reference(x, b, case.activation, case.p, rng, upcast=True)
+
+
+def _generator(case: Case, seed: int) -> Optional[torch.Generator]:
+    return torch.Generator(device=case.device).manual_seed(seed + 1) if case.dropout else None
+
+
+SPEC = ops.register(BiasActDropoutSpec())
+
+
+def fused_bias_act_dropout(
+    x: Tensor,
+    bias: Optional[Tensor] = None,
+    activation: str = "gelu",
+    p: float = 0.0,
+    training: bool = True,
+    *,
+    generator: Optional[torch.Generator] = None,
+    backend: Optional[str] = None,
+) -> Tensor:
+    """Dropout(Activation(x + bias)) in one fused pass, forward and backward.
+
+    x: (..., N) dense floating tensor; bias: (N,) or None, x's dtype and device. activation: one of
+    ``dispatch.ACTIVATION_NAMES``. p: a real number in [0, 1]; training: a bool (numpy's too).
+    Dropout follows ``dispatch.contracts.rng``'s spec on every backend but ``pytorch``, whose mask is
+    torch's (as ``nn.Dropout``'s; ``dispatch.spec_masks()`` keeps it off dropout calls): a 16-bit
+    threshold, so the realized drop probability is within 1/131072 of p and kept values are scaled to
+    preserve the mean exactly; the mask is regenerated in backward, never stored. ``p == 1`` in
+    training drops everything as ``F.dropout`` does (zeros; NaN and inf inputs give NaN).
+    ``training=False``, ``p == 0`` or ``p == 1`` draws no random numbers. ``backend`` forces a
+    backend (see ``dispatch.explain``). Under ``torch.compile`` with no backend requested and no
+    ``generator``, the op is traced as plain PyTorch so that inductor fuses it with its neighbours.
+
+    Differentiable twice: a backward with ``create_graph=True`` differentiates the reference with the
+    forward's mask, so its gradients carry their own graph, whatever the backend.
+
+    Equivalent PyTorch::
+
+        F.dropout(act(x + bias), p, training)   # up to the choice of random bits
+    """
+    return ops.dispatcher().run(SPEC, parse(x, bias, activation, p, training, generator=generator), backend)
+

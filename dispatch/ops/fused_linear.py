@@ -1,0 +1,334 @@
+"""fused_linear: Activation(x @ W^T + b), the op's one room.
+
+In order: the call object and its checks, the kernels' signatures, the reference and baseline math,
+how a call runs on kernels (inference, torch's autograd, or the autograd Function), the torch.library
+custom op a compiled graph keeps, the public function, and the calibration inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dispatch import ops
+from dispatch.contracts import checks
+from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS
+from dispatch.contracts.backend import Call, Kernels
+from dispatch.contracts.op import Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads
+
+NAME = "fused_linear"
+
+
+class FusedLinearCall(OpCall):
+    __slots__ = ("x", "weight", "bias", "activation", "out_shape")
+
+    def __init__(self, call: Call, x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str,
+                 out_shape: tuple[int, ...]) -> None:  # fmt: skip
+        super().__init__(call)
+        self.x = x  # (M, K): a view of the caller's x where strides allow
+        self.weight = weight  # (N, K)
+        self.bias = bias  # (N,) contiguous, or None
+        self.activation = activation
+        self.out_shape = out_shape  # (..., N)
+
+
+def parse(x: object, weight: object, bias: object = None, activation: object = "identity") -> FusedLinearCall:
+    """The checked call; the errors name the first bad argument in argument order."""
+    x, weight, bias, activation, shape, device, dtype = checks.fused_linear_args(x, weight, bias, activation)
+    m, n, k = shape
+    rows = x if x.dim() == 2 else x.reshape(m, k)
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    call = Call(NAME, device, dtype, shape, activation, False, grad)
+    return FusedLinearCall(call, rows, weight, bias, activation, (*x.shape[:-1], n))
+
+
+# A backend's ``Kernels`` (dispatch.contracts.backend) for this op. x (M, K) and weight (N, K) any
+# strides, bias (N,) contiguous or None; y a contiguous (M, N) tensor. ``saved`` is what backward
+# needs beyond the inputs (the pre-activation x @ W^T + b in x's dtype, or for relu y itself, as
+# torch.relu keeps it; None for identity); the two halves of a call always run on one backend.
+#   forward(x, weight, bias, activation) -> (y, saved)      a call with autograd
+#   inference(x, weight, bias, activation) -> y              a call without
+#   backward(grad_y, x, weight, bias, saved, activation, (need_x, need_w, need_b)) -> (gx, gw, gb)
+
+
+def reference(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, upcast: bool = False) -> Tensor:
+    """The definition, differentiable, on (..., K) inputs; float64 when ``upcast``, else x's dtype."""
+    dtype = torch.float64 if upcast else x.dtype
+    b = None if bias is None else bias.to(dtype)
+    return ACTIVATIONS[activation].forward(F.linear(x.to(dtype), weight.to(dtype), b))
+
+
+def baseline(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
+    """What a user writes, ``act(F.linear(x, w, b))``, in x's dtype; what torch.compile traces."""
+    return ACTIVATIONS[activation].forward(F.linear(x, weight, bias))
+
+
+def backward_from_pre(
+    grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], pre: Optional[Tensor], activation: str,
+    needs: tuple[bool, bool, bool],
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:  # fmt: skip
+    """Every backend's backward over PyTorch kernels: grad_pre = grad_y * act'(pre) (PyTorch's backward
+    kernel where it has one, else the table's derivative in float32), then grad_x = grad_pre W,
+    grad_W = grad_pre^T x, grad_b its column sums. ``pre`` None: recomputed (one more GEMM)."""
+    from dispatch.contracts.activations import composed_backward
+
+    act = ACTIVATIONS[activation]
+    if activation == "identity":
+        grad_pre = grad_y
+    else:
+        pre = pre if pre is not None else F.linear(x, weight, bias)
+        if act.backward is not None:
+            grad_pre = act.backward(grad_y, pre)
+        else:
+            dtype = compute_dtype(x.dtype)
+            grad_pre = composed_backward(act, grad_y.to(dtype), pre.to(dtype)).to(x.dtype)
+    grad_x = grad_pre @ weight if needs[0] else None  # (M, K)
+    grad_w = grad_pre.t() @ x if needs[1] else None  # (N, K)
+    grad_b = None
+    if needs[2] and bias is not None:
+        grad_b = grad_pre.sum(0, dtype=compute_dtype(x.dtype)).to(bias.dtype)
+    return grad_x, grad_w, grad_b
+
+
+def _baseline_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> tuple[Tensor, None]:
+    return baseline(x, weight, bias, activation), None
+
+
+def _baseline_backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], saved: Optional[Tensor],
+                       activation: str, needs: tuple[bool, bool, bool]) -> tuple:  # fmt: skip
+    return backward_from_pre(grad_y, x, weight, bias, None, activation, needs)
+
+
+BASELINE_KERNELS = Kernels(
+    forward=_baseline_forward, backward=_baseline_backward, inference=baseline, autograd=lambda a: True,
+    masks="torch",
+)
+
+
+class FusedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x, weight, bias, kernels, activation):  # type: ignore[override]
+        y, saved = kernels.forward(x, weight, bias, activation)
+        ctx.kernels, ctx.activation = kernels, activation
+        ctx.save_for_backward(x, weight, bias, saved)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y):  # type: ignore[override]
+        x, weight, bias, saved = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[:3])
+        activation = ctx.activation
+        if torch.is_grad_enabled():  # create_graph=True: ``saved`` has no graph; the reference has
+            dtype = compute_dtype(x.dtype)
+
+            def make_y() -> Tensor:
+                b = None if bias is None else bias.to(dtype)
+                return reference(x.to(dtype), weight.to(dtype), b, activation)
+
+            grads = differentiable_grads(make_y, (x, weight, bias), needs, grad_y)
+        else:
+            grads = ctx.kernels.backward(grad_y, x, weight, bias, saved, activation, needs)
+        return (*grads, None, None)
+
+
+def runner(kernels: Kernels, call: Call) -> Callable[[FusedLinearCall], Tensor]:
+    """How calls like ``call`` run on ``kernels``, chosen once per decision."""
+    if not call.training:
+        inference = kernels.inference
+
+        def infer(c: FusedLinearCall) -> Tensor:
+            y = inference(c.x, c.weight, c.bias, c.activation)
+            return y if y.dim() == len(c.out_shape) else y.view(c.out_shape)
+
+        return infer
+    if kernels.autograd(call.activation):
+        forward = kernels.forward
+
+        def differentiable(c: FusedLinearCall) -> Tensor:
+            y = forward(c.x, c.weight, c.bias, c.activation)[0]
+            return y if y.dim() == len(c.out_shape) else y.view(c.out_shape)
+
+        return differentiable
+    apply = FusedLinear.apply
+
+    def with_function(c: FusedLinearCall) -> Tensor:
+        y = apply(c.x, c.weight, c.bias, kernels, c.activation)
+        return y if y.dim() == len(c.out_shape) else y.view(c.out_shape)
+
+    return with_function
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+_EMPTY = (0,)
+
+
+def _empty_if_none(t: Optional[Tensor], like: Tensor) -> Tensor:
+    return like.new_empty(_EMPTY) if t is None else t
+
+
+def _kernels(x: Tensor, weight: Tensor, activation: str, training: bool, backend: str) -> Kernels:
+    call = Call(NAME, x.device, x.dtype, (x.shape[0], weight.shape[0], x.shape[1]), activation, False, training)
+    return ops.dispatcher().kernels(call, backend or None)
+
+
+@torch.library.custom_op("fusedispatch::fused_linear", mutates_args=())
+def _custom(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str,
+            training: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+    kernels = _kernels(x, weight, activation, training, backend)
+    if not training:  # nothing kept (the fake promises an empty saved tensor)
+        return kernels.inference(x, weight, bias, activation), x.new_empty(_EMPTY)
+    y, saved = kernels.forward(x, weight, bias, activation)
+    if saved is None and activation != "identity":  # the fake promises (M, N): the pre-activation
+        saved = F.linear(x, weight, bias)
+    return y, _empty_if_none(saved, x)
+
+
+@_custom.register_fake
+def _(x, weight, bias, activation, backend, training):
+    shape = (x.shape[0], weight.shape[0])
+    return x.new_empty(shape), x.new_empty(_EMPTY if activation == "identity" or not training else shape)
+
+
+@torch.library.custom_op("fusedispatch::fused_linear_backward", mutates_args=())
+def _custom_backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], saved: Tensor,
+                     activation: str, needs: list[bool], backend: str) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    kernels = _kernels(x, weight, activation, True, backend)
+    kept = None if saved.numel() == 0 and activation == "identity" else saved
+    grads = kernels.backward(grad_y, x, weight, bias, kept, activation, tuple(needs))
+    return tuple(_empty_if_none(g, x) for g in grads)  # type: ignore[return-value]
+
+
+@_custom_backward.register_fake
+def _(grad_y, x, weight, bias, saved, activation, needs, backend):
+    shapes = (x.shape, weight.shape, None if bias is None else bias.shape)
+    return tuple(x.new_empty(s if need and s is not None else _EMPTY) for need, s in zip(needs, shapes))
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, activation, backend, _ = inputs
+    ctx.save_for_backward(x, weight, bias, output[1])
+    ctx.args = (activation, backend)
+
+
+def _backward(ctx, grad_y, _grad_saved):
+    x, weight, bias, saved = ctx.saved_tensors
+    activation, backend = ctx.args
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and bias is not None]
+    grads = _custom_backward(grad_y, x, weight, bias, saved, activation, needs, backend)
+    return *(g if need else None for g, need in zip(grads, needs)), None, None, None
+
+
+_custom.register_autograd(_backward, setup_context=_setup)
+
+
+# ----------------------------------------------------------------------------- the spec
+
+
+class FusedLinearSpec(OpSpec):
+    name = NAME
+    public_name = "fused_linear"
+    dims = ("M", "N", "K")
+    activations = ACTIVATION_NAMES
+    dropout = False
+    grid = Grid(
+        features=(
+            (3072, 768),  # GPT-2 / BERT / ViT-B up
+            (11008, 4096),  # LLaMA-2-7B up
+            (768, 3072),  # GPT-2 / BERT / ViT-B down
+            (4096, 14336),  # LLaMA-3-8B / Mistral-7B down
+            (28672, 8192),  # LLaMA-2/3-70B up
+            (1536, 384),  # MiniLM / DeiT-S up
+            (512, 2048),  # T5-small down: the one N below 768
+        ),
+        quick={"cuda": ((3072, 768), (11008, 4096)), "cpu": ((3072, 768), (768, 3072))},
+        # relu is a class of its own: triton and cublaslt keep its output and run it in cuBLASLt's
+        # epilogue (234 vs 256 us keeping the pre-activation, gpt2 up bf16 training, H200)
+        classes=(("identity",), ("gelu_tanh", "gelu", "silu", "leaky_relu", "squared_relu"), ("relu",)),
+        gemm=True,
+        check_work=2**34,
+        families=(("training", False), ("inference", False)),
+        # the interpreter took ~3 s a call at 37x65x48 (forward + backward) on 2 cores
+        parity={
+            "cpu": ((5, 17, 9), (1, 7, 3), (37, 65, 48)),
+            "cuda": ((1823, 781, 129), (1, 7, 3), (37, 300, 200), (2048, 4096, 1024)),
+        },
+        outputs=("y", "grad_x", "grad_w", "grad_bias"),
+    )
+
+    def parse(self, *args: Any, **kwargs: Any) -> FusedLinearCall:
+        return parse(*args, **kwargs)
+
+    def runner(self, kernels: Any, call: Call) -> Callable[[OpCall], Tensor]:
+        return runner(kernels, call)  # type: ignore[return-value]
+
+    def traced(self, c: OpCall, backend: Optional[str], inline: bool) -> Tensor:
+        """Inline: ``nn.Linear`` + activation as a model writes them, which inductor fuses as for
+        nn.Linear; otherwise one custom op."""
+        assert isinstance(c, FusedLinearCall)
+        if inline:
+            return baseline(c.x, c.weight, c.bias, c.activation).view(c.out_shape)
+        return _custom(c.x, c.weight, c.bias, c.activation, backend or "", c.call.training)[0].view(c.out_shape)
+
+    def reference(self, c: OpCall, upcast: bool = False) -> Tensor:
+        assert isinstance(c, FusedLinearCall)
+        return reference(c.x, c.weight, c.bias, c.activation, upcast).view(c.out_shape)
+
+    def baseline(self, c: OpCall) -> Tensor:
+        assert isinstance(c, FusedLinearCall)
+        return baseline(c.x, c.weight, c.bias, c.activation).view(c.out_shape)
+
+    def baseline_kernels(self) -> Kernels:
+        return BASELINE_KERNELS
+
+    def inputs(self, case: Case, seed: int) -> Inputs:
+        g = torch.Generator(device=case.device).manual_seed(seed)
+        n, k = case.features
+
+        def randn(*shape: int, scale: float = 1.0) -> Tensor:
+            return (torch.randn(*shape, device=case.device, generator=g) * scale).to(case.dtype)
+
+        weight = randn(n, k, scale=1.0 / math.sqrt(k))
+        return Inputs([randn(case.m, k), weight, randn(n, scale=0.5)], randn(case.m, n), seed)
+
+    def run_case(self, case: Case, leaves: Sequence[Tensor], backend: Optional[str], seed: int) -> Tensor:
+        x, w, b = leaves
+        if backend is None:
+            return baseline(x, w, b, case.activation)
+        return fused_linear(x, w, b, case.activation, backend=backend)
+
+    def reference_case(self, case: Case, leaves: Sequence[Tensor], seed: int,
+                       drawn: Optional[Tensor] = None) -> Tensor:  # fmt: skip
+        x, w, b = leaves
+        return reference(x, w, b, case.activation, upcast=True)
+
+
+SPEC = ops.register(FusedLinearSpec())
+
+
+def fused_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    activation: str = "identity",
+    *,
+    backend: Optional[str] = None,
+) -> Tensor:
+    """Activation(x @ weight.T + bias) with bias and activation in the matmul's epilogue.
+
+    Shapes as ``torch.nn.functional.linear``: x (..., K), weight (N, K), bias (N,) or None; all dense,
+    of one floating dtype and device. Differentiable in every input that requires grad, and twice: a
+    backward with ``create_graph=True`` differentiates the reference, so its gradients carry their own
+    graph whatever the backend.
+
+    Equivalent PyTorch::
+
+        act(F.linear(x, weight, bias))
+    """
+    return ops.dispatcher().run(SPEC, parse(x, weight, bias, activation), backend)
