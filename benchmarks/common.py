@@ -2,7 +2,7 @@
 
 Timing lives in ``dispatch.timing`` (shared with the calibrator). Every benchmark writes
 ``<out>/<name>[-<tag>].json`` stamped with ``dispatch.timing.environment()``, prints a tabulate table
-last, and draws PNG plots when matplotlib is present.
+last, and draws PNG plots when matplotlib is present; ``logged`` keeps what it printed beside the JSON.
 
 A row is a dict: the case's keys (M, N, dtype, ...) and ``<metric>:<entry>`` columns, an entry being a
 backend through the public op, ``dispatch`` (the public op choosing for itself), ``pytorch`` (the
@@ -14,10 +14,11 @@ entry is faster), for both clocks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence, TextIO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from anywhere: dispatch and backends import from the repo
@@ -62,6 +63,38 @@ def write(args: argparse.Namespace, name: str, result: dict, device: Optional[to
         json.dump(stamped, f, indent=1, default=str)
     print(f"wrote {out}")
     return out
+
+
+class _Tee:
+    """A text stream writing to several; fileno and isatty are the first's (subprocesses write there)."""
+
+    def __init__(self, *streams: TextIO) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for s in self.streams:
+            s.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for s in self.streams:
+            s.flush()
+
+    def fileno(self) -> int:
+        return self.streams[0].fileno()
+
+    def isatty(self) -> bool:
+        return self.streams[0].isatty()
+
+
+@contextlib.contextmanager
+def logged(args: argparse.Namespace, name: str) -> Iterator[str]:
+    """Everything printed inside (stdout and stderr) also goes to ``<out>/<name>[-<tag>].log``."""
+    out = path(args, name, "log")
+    with open(out, "w") as f, contextlib.redirect_stdout(_Tee(sys.stdout, f)):
+        with contextlib.redirect_stderr(_Tee(sys.stderr, f)):
+            yield out
+    print(f"wrote {out}")
 
 
 # ----------------------------------------------------------------------------- entries

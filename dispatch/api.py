@@ -1,7 +1,7 @@
 """One path for every op: validate (the spec's ``parse``, which the public function ran) -> decide
 (``dispatch.select``, cached per call signature) -> run (the spec's runner over the chosen backend's
 kernels). Under ``torch.compile`` an op traces as plain PyTorch, or as its custom op when a backend
-is requested. Installed as the ops' dispatcher on import.
+is requested (``dispatch.compiling``). Installed as the ops' dispatcher on import.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from dispatch import ops, registry, select
+from dispatch import ops, select
 from dispatch.contracts.backend import Call, Kernels
 from dispatch.contracts.checks import check_backend
 from dispatch.contracts.op import OpCall, OpSpec
@@ -19,21 +19,6 @@ from dispatch.ops.bias_act_dropout import fused_bias_act_dropout
 from dispatch.ops.fused_linear import fused_linear
 from dispatch.ops.fused_mlp import fused_mlp
 from dispatch.select import Decision
-
-
-@torch._dynamo.assume_constant_result
-def _requested_at_trace_time() -> Optional[str]:
-    """The backend ``use_backend`` or ``DISPATCH_BACKEND`` names when a graph is traced (a compiled
-    graph keeps the choice it was traced with)."""
-    return select._requested.get() or select.env_backend()
-
-
-def _traced(spec: OpSpec, c: OpCall, backend: Optional[str]) -> Tensor:
-    """Plain math where no backend is requested, or where the one requested traces as math (pytorch):
-    inductor fuses it with its neighbours; else the spec's custom op."""
-    requested = backend or _requested_at_trace_time()
-    inline = requested is None or registry.get(requested).torch_masks
-    return spec.traced(c, backend, inline)
 
 
 class _Dispatcher:
@@ -44,7 +29,9 @@ class _Dispatcher:
         if done is not None:
             return done
         if torch.compiler.is_compiling():
-            return _traced(spec, c, backend)
+            from dispatch import compiling
+
+            return compiling.traced(spec, c, backend)
         return select.runner(select.key(c.call, backend), spec)(c)
 
     def kernels(self, call: Call, backend: Optional[str]) -> Kernels:

@@ -1,4 +1,4 @@
-"""Drop-in modules over the two fused ops: ``FusedLinear`` and ``FusedBiasActDropout``.
+"""Drop-in modules over the fused ops: ``FusedLinear``, ``FusedBiasActDropout`` and ``FusedMLP``.
 
 ``FusedLinear`` is ``nn.Linear`` followed by an activation and, with ``dropout=p``, a dropout: same
 parameters (``weight`` (out, in), ``bias`` (out,)), same initialization, so an ``nn.Linear`` state_dict
@@ -6,9 +6,11 @@ loads unchanged. With ``transposed=True`` it stores the weight (in, out) as Hugg
 does (whose state_dict then loads unchanged) and passes the op its transposed view: cuBLAS and the
 Triton kernels read either layout in place, and under ``torch.compile`` the GEMMs are the Conv1D's own.
 ``FusedBiasActDropout`` owns a bias and computes Dropout(Activation(x + bias)) in one pass.
+``FusedMLP`` is a whole MLP block, Linear -> activation (or a gate) -> Dropout -> Linear -> Dropout, in
+one ``fused_mlp`` call; its projections are child modules it can adopt from an existing block.
 
 Autocast: under ``torch.autocast`` for x's device type with a half dtype (float16, bfloat16), x,
-weight and bias are cast to that dtype first, as ``nn.Linear`` does (float64 tensors are left alone,
+weights and biases are cast to that dtype first, as ``nn.Linear`` does (float64 tensors are left alone,
 as autocast leaves them); the output has that dtype. ``FusedBiasActDropout`` casts its bias to x's
 dtype, whatever x is: the fused op needs one dtype, and x carries the precision the model chose.
 
@@ -28,13 +30,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
-from dispatch.contracts.activations import get_activation
-from dispatch.api import fused_bias_act_dropout, fused_linear
+from dispatch.contracts.activations import ACTIVATION_NAMES, GATED_NAMES, GATES, get_activation
+from dispatch.api import fused_bias_act_dropout, fused_linear, fused_mlp
 
 _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)  # autocast never casts float64
@@ -182,3 +184,200 @@ class FusedBiasActDropout(nn.Module):
     def extra_repr(self) -> str:
         bias = self.bias is not None
         return f"features={self.features}, activation={self.activation!r}, p={self.p}, bias={bias}"
+
+
+Layer = Union[nn.Linear, FusedLinear, nn.Module]  # nn.Module: Hugging Face's Conv1D
+
+
+def is_conv1d(module: object) -> bool:
+    """Hugging Face's Conv1D, known by name (transformers is never imported): weight stored (in, out)."""
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
+
+
+def linear_layout(module: object) -> Optional[bool]:
+    """True for a linear layer storing its weight (in, out) (Hugging Face's Conv1D, FusedLinear with
+    ``transposed=True``), False for (out, in) (nn.Linear, FusedLinear), None for anything else (a
+    FusedLinear with an activation or dropout included)."""
+    if type(module) is nn.Linear:
+        return False
+    if type(module) is FusedLinear and module.activation == "identity" and module.dropout == 0.0:
+        return module.transposed
+    return True if is_conv1d(module) else None
+
+
+def _features(layer: nn.Module, transposed: bool) -> tuple[int, int]:
+    """(in, out) of a linear layer's weight."""
+    rows, cols = layer.weight.shape
+    return (rows, cols) if transposed else (cols, rows)
+
+
+class FusedMLP(nn.Module):
+    """Dropout_out(Dropout_p(act(x @ W_in.T + b_in)) @ W_out.T + b_out): an MLP block in one
+    ``fused_mlp`` call.
+
+    Equivalent PyTorch::
+
+        nn.Sequential(nn.Linear(in_features, hidden_features, bias), act, nn.Dropout(p),
+                      nn.Linear(hidden_features, out_features, bias), nn.Dropout(p_out))
+
+    ``activation``: a name of ``dispatch.ACTIVATION_NAMES`` or a gate (swiglu, geglu, geglu_tanh,
+    reglu: act(gate) * up, both (hidden,)). The projections are child modules with ``weight`` and
+    ``bias``: ``fc1`` and ``fc2``, where for a gate ``fc1`` stacks [gate; up], gate rows first, in one
+    (2 * hidden, in) weight (``gate_layout="stacked"``, Phi-3's gate_up_proj); or ``gate_proj``,
+    ``up_proj`` and ``down_proj`` (``gate_layout="pair"``, LLaMA's). Fresh ones are ``nn.Linear``s with
+    its initialization; with ``transposed=True`` ``FusedLinear(transposed=True)``s, weights stored
+    (in, out) as Hugging Face's Conv1D stores them. ``from_linears`` builds the block over existing
+    layers instead, adopting them by reference under their own names: the state_dict keeps its keys and
+    loads both ways, which is how ``dispatch.patch`` rewrites GPT-2's, ViT's and LLaMA's MLPs.
+
+    Dropout runs in training mode only (``module.training``), masks by ``dispatch.contracts.rng``'s spec,
+    regenerated in backward, never stored.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        out_features: Optional[int] = None,
+        activation: str = "gelu",
+        p: float = 0.0,
+        p_out: float = 0.0,
+        bias: bool = True,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+        *,
+        gate_layout: str = "stacked",
+        transposed: bool = False,
+    ) -> None:
+        super().__init__()
+        gated = _check_mlp_activation(activation)
+        if gate_layout not in ("stacked", "pair"):
+            raise ValueError(f"gate_layout must be 'stacked' or 'pair', got {gate_layout!r}")
+        if type(transposed) is not bool:
+            raise TypeError(f"transposed must be a bool, got {transposed!r}")
+        out_features = in_features if out_features is None else out_features
+        factory = {"bias": bias, "device": device, "dtype": dtype}
+
+        def linear(n_in: int, n_out: int) -> nn.Module:
+            if transposed:
+                return FusedLinear(n_in, n_out, transposed=True, **factory)
+            return nn.Linear(n_in, n_out, **factory)
+
+        if gate_layout == "pair":
+            if not gated:
+                raise ValueError(f"gate_layout='pair' needs a gated activation ({', '.join(GATED_NAMES)}), "
+                                 f"got {activation!r}")  # fmt: skip
+            layers = {"gate_proj": linear(in_features, hidden_features),
+                      "up_proj": linear(in_features, hidden_features),
+                      "down_proj": linear(hidden_features, out_features)}  # fmt: skip
+        else:
+            f_in = 2 * hidden_features if gated else hidden_features
+            layers = {"fc1": linear(in_features, f_in), "fc2": linear(hidden_features, out_features)}
+        self._adopt(layers, activation, p, p_out)
+
+    @classmethod
+    def from_linears(
+        cls,
+        fc1: Layer | tuple[Layer, Layer],
+        activation: str,
+        fc2: Layer,
+        p: float = 0.0,
+        p_out: float = 0.0,
+        *,
+        names: Optional[Sequence[str]] = None,
+    ) -> "FusedMLP":
+        """The block over existing linear layers (``nn.Linear``, Hugging Face's ``Conv1D``, a
+        ``FusedLinear`` without activation or dropout), adopted by reference: the same modules, hence
+        the same Parameters, registered under ``names`` in that order (default fc1, fc2; for a (gate,
+        up) pair gate_proj, up_proj, down_proj), so ``<name>.weight`` keeps its key. ``fc1`` is one
+        layer or, for a gated activation, a (gate, up) pair; all store their weights one way."""
+        gated = _check_mlp_activation(activation)
+        inner = tuple(fc1) if isinstance(fc1, (tuple, list)) else (fc1,)
+        if len(inner) == 2 and not gated:
+            raise ValueError(f"fc1 may be a (gate, up) pair only for a gated activation, not {activation!r}")
+        if len(inner) not in (1, 2):
+            raise ValueError(f"fc1 must be a linear layer or a (gate, up) pair, got {len(inner)} layers")
+        default = ("gate_proj", "up_proj", "down_proj") if len(inner) == 2 else ("fc1", "fc2")
+        names = tuple(default if names is None else names)
+        if len(names) != len(inner) + 1 or len(set(names)) != len(names):
+            raise ValueError(f"names must be {len(inner) + 1} distinct child names, got {names!r}")
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module._adopt(dict(zip(names, (*inner, fc2))), activation, p, p_out)
+        return module
+
+    def _adopt(self, layers: dict[str, nn.Module], activation: str, p: float, p_out: float) -> None:
+        """Registers ``layers`` (the input projection(s), then the output one) and the block's settings."""
+        names = list(layers)
+        layouts = {name: linear_layout(layer) for name, layer in layers.items()}
+        for name, layout in layouts.items():
+            if layout is None:
+                raise TypeError(f"{name} must be an nn.Linear, a Conv1D or a FusedLinear without activation "
+                                f"or dropout, got {type(layers[name]).__name__}")  # fmt: skip
+        if len(set(layouts.values())) != 1:
+            raise ValueError(f"the layers must store weights one way, (out, in) or (in, out): {layouts}")
+        transposed = layouts[names[0]]
+        n_in, f_in = _features(layers[names[0]], transposed)
+        f, n_out = _features(layers[names[-1]], transposed)
+        if len(layers) == 3:
+            gate, up = (layers[n] for n in names[:2])
+            if gate.weight.shape != up.weight.shape or (gate.bias is None) != (up.bias is None):
+                raise ValueError(f"{names[0]} and {names[1]} must have one shape, and biases both or neither")
+        elif activation in GATES:
+            f_in //= 2  # the stacked [gate; up]
+        if f_in != f:
+            raise ValueError(f"{names[-1]} takes {f} features; the activation gives {f_in}")
+        self.in_features, self.hidden_features, self.out_features = n_in, f, n_out
+        self.activation = activation
+        self.p, self.p_out = _check_p("p", p), _check_p("p_out", p_out)
+        self.transposed = transposed
+        self.gate_layout = "pair" if len(layers) == 3 else "stacked"
+        self._in_names, self._out_name = tuple(names[:-1]), names[-1]
+        for name, layer in layers.items():
+            self.add_module(name, layer)
+
+    def _operand(self, name: str, dtype: Optional[torch.dtype]) -> tuple[Tensor, Optional[Tensor]]:
+        """A projection's (weight (out, in), bias), cast to ``dtype`` first when autocast gives one."""
+        layer = getattr(self, name)
+        weight, bias = layer.weight, layer.bias
+        if dtype is not None:
+            weight, bias = _cast(weight, dtype), _cast(bias, dtype)
+        return (weight.t() if self.transposed else weight), bias  # transposed after the cast, as FusedLinear
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1:] != (self.in_features,):
+            raise ValueError(
+                f"x's last dimension must be in_features={self.in_features} of this FusedMLP, "
+                f"got x of shape {tuple(x.shape)}"
+            )
+        dtype = _autocast_dtype(x)
+        if dtype is not None:
+            x = _cast(x, dtype)
+        inner = [self._operand(name, dtype) for name in self._in_names]
+        w_out, b_out = self._operand(self._out_name, dtype)
+        if len(inner) == 1:
+            (w_in, b_in), = inner
+        else:
+            (w_gate, b_gate), (w_up, b_up) = inner
+            w_in, b_in = (w_gate, w_up), None if b_gate is None else (b_gate, b_up)
+        return fused_mlp(x, w_in, b_in, w_out, b_out, self.activation, self.p, self.p_out, self.training)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, hidden_features={self.hidden_features}, "
+            f"out_features={self.out_features}, activation={self.activation!r}"
+            + (f", gate_layout={self.gate_layout!r}" if self.activation in GATES else "")
+            + (f", p={self.p}" if self.p else "")
+            + (f", p_out={self.p_out}" if self.p_out else "")
+            + (", transposed=True" if self.transposed else "")
+        )
+
+
+def _check_mlp_activation(activation: object) -> bool:
+    """Whether ``activation``, a name of the table or a gate, is a gate; a ValueError for other values."""
+    if isinstance(activation, str) and activation in GATES:
+        return True
+    if not isinstance(activation, str) or activation not in ACTIVATION_NAMES:
+        names = ", ".join((*ACTIVATION_NAMES, *GATED_NAMES))
+        raise ValueError(f"activation must be one of {names}; got {activation!r}")
+    return False

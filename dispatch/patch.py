@@ -38,23 +38,9 @@ from typing import NamedTuple, Optional
 
 from torch import nn
 
-from dispatch.contracts.activations import LEAKY_RELU_SLOPE
-from dispatch.nn import FusedBiasActDropout, FusedLinear
-
-# Hugging Face activation classes (transformers.activations) -> our activation names.
-_HF_ACTIVATIONS = {
-    "GELUActivation": "gelu",
-    "NewGELUActivation": "gelu_tanh",
-    "GELUTanh": "gelu_tanh",
-    "PytorchGELUTanh": "gelu_tanh",
-    "FastGELUActivation": "gelu_tanh",  # the same tanh formula, factored differently
-    "ReLUSquaredActivation": "squared_relu",
-    "SiLUActivation": "silu",
-    "LinearActivation": "identity",
-}
-
-# Gated MLPs down(act(gate(x)) * up(x)), by the (gate, up, down) attribute names of their Linears.
-_GATED_MLPS = (("gate_proj", "up_proj", "down_proj"), ("wi_0", "wi_1", "wo"))
+from dispatch import patch_mlp
+from dispatch.nn import FusedBiasActDropout, FusedLinear, FusedMLP, is_conv1d
+from dispatch.patch_mlp import activation_name, describe_linear, features, is_activation_module, is_linear
 
 # Hugging Face block class -> the (linear, activation, dropout) attribute runs its forward calls in order.
 _HF_BLOCKS: dict[str, tuple[tuple[str, Optional[str], Optional[str]], ...]] = {
@@ -92,62 +78,6 @@ class PatchReport:
         return "\n".join(lines)
 
 
-def activation_name(module: nn.Module) -> Optional[str]:
-    """Our name for an activation module (torch or Hugging Face), or None when we have no equivalent."""
-    kind = type(module)
-    if kind is nn.GELU:
-        return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
-    if kind is nn.LeakyReLU:
-        return "leaky_relu" if module.negative_slope == LEAKY_RELU_SLOPE else None
-    simple = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Identity: "identity"}.get(kind)
-    if simple is not None:
-        return simple
-    if kind.__module__.startswith("transformers."):
-        return _HF_ACTIVATIONS.get(kind.__name__)
-    return None
-
-
-def _why_no_activation(module: nn.Module) -> str:
-    """Why an activation module ``activation_name`` gave no name for has no fused equivalent."""
-    if type(module) is nn.LeakyReLU:
-        return f"LeakyReLU(negative_slope={module.negative_slope}): only slope {LEAKY_RELU_SLOPE} is fused"
-    return f"activation {type(module).__name__} has no fused equivalent"
-
-
-def _is_activation_module(module: nn.Module) -> bool:
-    mod = type(module).__module__
-    return mod == "torch.nn.modules.activation" or mod.startswith("transformers.activations")
-
-
-def _is_conv1d(module: object) -> bool:
-    """Hugging Face's Conv1D: a linear layer whose weight is stored (in, out)."""
-    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
-
-
-def _is_linear(module: object) -> bool:
-    return type(module) is nn.Linear or _is_conv1d(module)
-
-
-def _gated_mlp(module: nn.Module) -> Optional[str]:
-    """Why ``module``, a gated MLP block (``_GATED_MLPS``), is left alone, or None when it is not one."""
-    for names in _GATED_MLPS:
-        if all(_is_linear(getattr(module, name, None)) for name in names):
-            acts = [f"{n}={type(m).__name__}" for n, m in module.named_children() if _is_activation_module(m)]
-            return f"gated MLP ({', '.join([*names, *acts])}): no fused equivalent yet"
-    return None
-
-
-def _features(module: nn.Module) -> tuple[int, int]:
-    """(in, out) of an nn.Linear (weight (out, in)) or a Conv1D (weight (in, out))."""
-    w = module.weight
-    return (w.shape[0], w.shape[1]) if _is_conv1d(module) else (w.shape[1], w.shape[0])
-
-
-def _describe_linear(module: nn.Module) -> str:
-    n_in, n_out = _features(module)
-    return f"{type(module).__name__}({n_in}->{n_out})"
-
-
 class _Run(NamedTuple):
     """Child names of one run: a linear layer, then an optional activation, then an optional dropout."""
 
@@ -161,13 +91,13 @@ def _why_not(parent: nn.Module, run: _Run) -> Optional[str]:
     linear = getattr(parent, run.linear, None)
     if isinstance(linear, FusedLinear):
         return "already patched"
-    if not _is_linear(linear):
+    if not is_linear(linear):
         return f"expected an nn.Linear or Conv1D, found {type(linear).__name__}"
     activation = "identity"
     if run.act is not None:
         activation = activation_name(getattr(parent, run.act))
         if activation is None:
-            return _why_no_activation(getattr(parent, run.act))
+            return patch_mlp.why_no_activation(getattr(parent, run.act))
     p = 0.0
     if run.drop is not None:
         drop = getattr(parent, run.drop)
@@ -211,17 +141,17 @@ def _rewrite(parent: nn.Module, path: str, run: _Run, bias_in_linear: bool = Tru
     activation = "identity" if run.act is None else activation_name(getattr(parent, run.act))
     drop = None if run.drop is None else getattr(parent, run.drop)
     p = 0.0 if drop is None else float(drop.p)
-    before = [f"{run.linear}={_describe_linear(linear)}"]
+    before = [f"{run.linear}={describe_linear(linear)}"]
     if run.act is not None:
         before.append(f"{run.act}={type(getattr(parent, run.act)).__name__}")
     if drop is not None:
         before.append(f"{run.drop}=Dropout(p={p})")
 
     weight, bias = linear.weight, linear.bias
-    n_in, n_out = _features(linear)
+    n_in, n_out = features(linear)
     has_bias = bias is not None
     meta = {"device": "meta", "dtype": weight.dtype}  # skips initialization: the parameters are set below
-    transposed = _is_conv1d(linear)  # a Conv1D's weight keeps its (in, out) layout
+    transposed = is_conv1d(linear)  # a Conv1D's weight keeps its (in, out) layout
     if p > 0.0 and bias_in_linear and activation == "identity":  # the bias in the GEMM's epilogue
         fused = FusedLinear(n_in, n_out, has_bias, **meta, transposed=transposed)
         tail = FusedBiasActDropout(n_out, activation, p, bias=False, **meta).train(drop.training)
@@ -261,10 +191,10 @@ def _sequential_runs(seq: nn.Sequential) -> list[_Run]:
     children = list(seq._modules.items())  # not named_children(): it drops repeated instances
     runs = []
     for i, (name, child) in enumerate(children):
-        if not _is_linear(child):
+        if not is_linear(child):
             continue
         rest = children[i + 1 : i + 3]
-        act = rest[0][0] if rest and _is_activation_module(rest[0][1]) else None
+        act = rest[0][0] if rest and is_activation_module(rest[0][1]) else None
         rest = rest[1:] if act is not None else rest[:1]
         drop = rest[0][0] if rest and type(rest[0][1]) is nn.Dropout else None
         if act is not None or drop is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional, TypedDict
 
 import torch
 
@@ -61,6 +61,20 @@ class EntryId(NamedTuple):
     @classmethod
     def of_entry(cls, e: Mapping[str, Any]) -> EntryId:
         return cls(EntryKey.of_entry(e), tuple(e["features"]))
+
+
+class Point(TypedDict, total=False):
+    """A raw measured point of schema 2 as the calibrator writes it (``_point`` checks a loaded one)."""
+
+    m: int  # the token count
+    gpu_us: dict[str, float]  # per backend (plain PyTorch too), us per call: GPU time, or the wall time
+    host_us: dict[str, float]  # the host's cost of a call (the family's median once pooled)
+    host_us_measured: dict[str, float]  # what the host clock read, where pooling replaced it
+    gpu_clock: dict[str, str]  # how a GPU time was taken, where not by a CUDA graph
+    drained: list[str]  # backends whose host clock's queue ran dry
+    err: dict[str, float]  # max relative error of each backend that passed its parity check here
+    rejected: dict[str, str]  # why a backend is no contender here (failed, not started, not checked)
+    skipped: str  # why the point holds no timings (out of memory)
 
 
 @dataclass(frozen=True)

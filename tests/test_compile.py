@@ -55,7 +55,7 @@ def test_compiled_mlp_matches_eager(device):
 
 def test_compiled_mlp_with_dropout_matches_eager_when_a_backend_is_requested(device):
     """With a backend requested the compiled graph keeps the custom op: it draws ``rng`` with aten
-    randint (dispatch/rng.py) and the backend computes the spec's mask. On CPU eager mode draws with
+    randint (dispatch/contracts/rng.py) and the backend computes the spec's mask. On CPU eager mode draws with
     the same randint, so with fallback_random the masks, hence outputs and gradients, are equal. On
     CUDA eager mode reads the generator's state on the host instead (no kernel for the draw): there the
     compiled model must be reproducible under a seed, and each seed must give another mask."""
@@ -139,7 +139,7 @@ def test_export_traces_both_ops(device):
     """torch.export, strict (dynamo) and non-strict (the model's Python run on fake tensors): the ops
     are traced as their math in aten ops, with no decision made (no backend runs on a fake tensor),
     and the exported program matches the model. Non-strict tracing is the case the fast path leaves by
-    the type of its tensors (dispatch/api.py, _FAST_TYPES: FakeTensor is a subclass)."""
+    the type of its tensors (FakeTensor is a subclass)."""
     model = MLP().to(device).eval()
     x, x_new = torch.randn(3, 16, device=device), torch.randn(3, 16, device=device)
     with torch.no_grad():

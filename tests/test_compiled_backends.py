@@ -302,7 +302,7 @@ def test_cublaslt_single_row_refused_gpu():
 @pytest.mark.gpu
 def test_cublaslt_inside_torch_compile_gpu():
     """Under torch.compile the op is a custom op whose fake promises an (M, N) pre-activation for
-    backward; cublaslt returns none, so dispatch.library recomputes it (and backward may run anywhere)."""
+    backward; cublaslt returns none, so the spec's custom op recomputes it (and backward may run anywhere)."""
     x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(96, 128, device="cuda", dtype=torch.bfloat16) / 128**0.5
     b = torch.randn(96, device="cuda", dtype=torch.bfloat16)

@@ -152,7 +152,7 @@ def test_users_own_backends_and_heuristics_do_not_shadow_ours(tmp_path):
         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.strip() == "eager"
+    assert result.stdout.strip() == "pytorch"
 
 
 OP_NAMES = ("bias_act_dropout", "fused_linear", "fused_mlp")

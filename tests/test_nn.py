@@ -283,7 +283,7 @@ def test_compile_fullgraph_training_with_autocast():
     under bf16 autocast, forward and backward, no graph break. With a backend requested the ops stay
     custom ops and, inductor's RNG falling back to torch's, the compiled model draws the same rng as
     eager mode and so matches it exactly; with none, inductor owns the dropout (its mask,
-    dispatch/library.py)."""
+    dispatch/ops/)."""
     import torch._inductor.config as inductor_config
 
     from dispatch import use_backend

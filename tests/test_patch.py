@@ -25,7 +25,7 @@ def _transformers():
 
 
 def _assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Within the dtype's tolerance, relative to the output's scale (dispatch/tolerances.py)."""
+    """Within the dtype's tolerance, relative to the output's scale (dispatch/contracts/tolerances.py)."""
     scale = float(want.detach().abs().max())
     torch.testing.assert_close(got, want, rtol=0, atol=ATOL[want.dtype] + RTOL[want.dtype] * scale)
 

@@ -1,4 +1,4 @@
-"""The dropout RNG spec (dispatch/rng.py): Philox bits, drop statistics, mask independence, seeding,
+"""The dropout RNG spec (dispatch/contracts/rng.py): Philox bits, drop statistics, mask independence, seeding,
 the backward mask, and no draw without dropout.
 
 Statistical bounds are 5 sigma (a false alarm about once in 1.7 million runs per assertion).

@@ -276,8 +276,8 @@ def test_bad_input_is_named(device):
         triton_op.backward(x[:2], x, None, "relu", 0.0, None, True, False)
 
 
-def test_dispatcher_calls_the_trusted_entry_points(device, monkeypatch):
-    """The public op validates a call once: it runs ``triton_op.trusted`` (no second argument check),
+def test_dispatcher_calls_the_unchecked_kernels(device, monkeypatch):
+    """The public op validates a call once: it runs ``triton_op.KERNELS`` (no second argument check),
     with the checked functions' results; those still check when called directly."""
     x = torch.randn(5, 16, device=device, requires_grad=True)
     bias = torch.randn(16, device=device, requires_grad=True)

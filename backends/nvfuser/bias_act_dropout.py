@@ -4,11 +4,6 @@ traced by AOTAutograd and compiled by TorchScript for its call signature.
 Forward and backward are separate gradient-free functions with nothing saved between them: the
 backward graph regenerates the dropout mask from ``rng`` with the same traced int64 ops as the
 forward graph (``dispatch.contracts.rng``), so both give eager's mask bit for bit.
-
-(A GPU test that saw grad_x's zeros differ from y's did not point at this backend: torch.randn
-returns an exact 0.0 about once in 5 million float32 draws, and a zero upstream gradient at a kept
-element reads as "dropped". With the test's seed eager, nvfuser and inductor showed it alike (H200,
-2026-11-30).)
 """
 
 from __future__ import annotations

@@ -1,17 +1,18 @@
 """triton: our hand-written Triton kernels.
 
-Supports: bias_act_dropout and fused_linear, forward and backward; CUDA devices of compute
-capability >= 8.0 (bf16); float16, bfloat16, float32; every activation; deterministic (no float
-atomics: reductions finish in a fixed order). On CPU it runs only through Triton's interpreter
-(``TRITON_INTERPRET=1``), for tests, and only when asked for by name: the dispatcher never picks the
-interpreter on its own.
+Supports: bias_act_dropout, fused_linear and fused_mlp, forward and backward; CUDA devices of
+compute capability >= 8.0 (bf16); float16, bfloat16, float32; every activation, and fused_mlp's gated
+ones; deterministic (no float atomics: reductions finish in a fixed order). On CPU it runs only
+through Triton's interpreter (``TRITON_INTERPRET=1``), for tests, and only when asked for by name: the
+dispatcher never picks the interpreter on its own.
 
-Files, by role: ``bias_act_dropout.py`` (kernels, launch settings, launchers) and ``fused_linear.py``
+Files, by role: ``bias_act_dropout.py`` (kernels, launch settings, launchers), ``fused_linear.py``
 (training on cuBLAS products, relu in cuBLASLt's epilogue, and bias_act_dropout's passes, inference
-on the matmul of ``matmul.py``:
-its kernels, tile configs and ``launch``; a column-sum pass for identity's grad_b)
-serve one op each; ``activations.py`` (the activation table) and ``philox.py`` (the dropout RNG spec)
-are the jitted helpers the kernels share; ``launch.py`` caches compiled kernels for cheap launches.
+on the matmul of ``matmul.py``: its kernels, tile configs and ``launch``; a column-sum pass for
+identity's grad_b) and ``fused_mlp.py`` (cuBLAS products around the hidden layer's passes of
+``gate.py`` and bias_act_dropout's) serve one op each; ``activations.py`` (the activation table) and
+``philox.py`` (the dropout RNG spec) are the jitted helpers the kernels share; ``launch.py`` caches
+compiled kernels for cheap launches.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from dispatch.contracts.activations import ACTIVATION_NAMES
+from dispatch.contracts.activations import ACTIVATION_NAMES, GATED_NAMES
 from dispatch.contracts.backend import Backend, Call, Kernels
 
 try:
@@ -56,16 +57,20 @@ def _extra_reasons(call: Call, explicit: bool) -> list[str]:
 def _declare() -> Backend:
     kernels: dict[str, Kernels] = {}
     if triton is not None:
-        from dispatch.backends.triton import bias_act_dropout, fused_linear
+        from dispatch.backends.triton import bias_act_dropout, fused_linear, fused_mlp
 
-        kernels = {"bias_act_dropout": bias_act_dropout.KERNELS, "fused_linear": fused_linear.KERNELS}
+        kernels = {
+            "bias_act_dropout": bias_act_dropout.KERNELS,
+            "fused_linear": fused_linear.KERNELS,
+            "fused_mlp": fused_mlp.KERNELS,
+        }
     return (
         Backend(
             name="triton",
             kernels=kernels,
             devices=frozenset({"cuda", "cpu"}),
             dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-            activations=frozenset(ACTIVATION_NAMES),
+            activations=frozenset((*ACTIVATION_NAMES, *GATED_NAMES)),
             deterministic=True,
             summary="hand-written Triton kernels",
             min_capability=(8, 0),

@@ -4,7 +4,8 @@ points into a table's segments.
 The rule: a call costs ``max(gpu_us, host_us)`` (the host enqueues while the GPU runs, so the slower
 clock sets the pace); ties within NOISE go to the first backend in the mode's ``preference``. Each
 segment also records the winner by GPU time alone (``gpu_backend``: what a call captured in a CUDA graph
-runs), the clock that bound the winner, and its speedup over plain PyTorch (BASELINE, never chosen).
+runs), the clock that bound the winner, and its speedup over plain PyTorch (BASELINE: a contender too,
+first in the ties; 1.0 where it wins).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dispatch.contracts import shapes
 from dispatch.heuristics.ranking import (  # noqa: F401  (the ranking rule, for the calibrator)
     BASELINE, NOISE, PREFERENCE, PREFERENCE_INFERENCE, bound, costs, estimated, preference, rank, winner,
 )  # fmt: skip
+from dispatch.heuristics.schema import Point
 
 MODES = ("inference", "training")
 # float16 shares bfloat16's timings on a GPU (each cell checked in float16): the same kernels; the two
@@ -154,9 +156,10 @@ def servers(op: str, activation: str) -> frozenset[str]:
 
 
 def classes(op: str, activations: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """The op's activation classes restricted to ``activations``, each led by the member most backends
-    serve; a member served by a backend its representative lacks is measured alone (that backend's
-    timings would be missing)."""
+    """The op's activation classes restricted to ``activations`` (of those the op takes), each led by the
+    member most backends serve; a member served by a backend its representative lacks is measured alone
+    (that backend's timings would be missing)."""
+    activations = tuple(a for a in activations if a in ops.get(op).activations)
     own = ops.get(op).grid.classes
     listed = {a for cls in own for a in cls}
     out: list[tuple[str, ...]] = []
@@ -193,13 +196,13 @@ def spread(items: list) -> list:
 # ----------------------------------------------------------------------------- the decision rule
 
 
-def _host_samples(p: dict) -> dict[str, float]:
+def _host_samples(p: Point) -> dict[str, float]:
     """Host costs the host clock took (not an estimate, not a drained queue's, which waited on the GPU)."""
     skip = set(p.get("drained", [])) | estimated(p)
     return {n: v for n, v in p.get("host_us_measured", p["host_us"]).items() if n not in skip}
 
 
-def series_host(points: list[dict]) -> dict[str, float]:
+def series_host(points: list[Point]) -> dict[str, float]:
     """Each entry's median host sample over ``points``: a call's host cost does not grow with M, and one
     sample swung 0.7-2.4x between two runs at the same point (p10-p90, H200, 12-02) where GPU times
     agreed within 1%."""
@@ -216,7 +219,7 @@ def pool_host(entries: list[dict]) -> None:
     Series medians still moved 15% (median) to 1.8x (p90) between two full H200 runs and 9% of the cells
     with them; family medians 3.9% (refit-2026-12-03.log). GPU clocks only: on a CPU both are wall time."""
     family = lambda e: (e["op"], e["mode"], e["dropout"])  # noqa: E731
-    samples: dict[tuple, list[dict]] = {}
+    samples: dict[tuple, list[Point]] = {}
     for e in entries:
         if e["activation"] == e["measured_as"] and "measured_dtype" not in e:
             samples.setdefault(family(e), []).extend(e["points"] + e.get("held_out", []))
@@ -236,7 +239,7 @@ def compiling() -> frozenset[str]:
     return frozenset(n for n, b in backends().items() if b.compiles)
 
 
-def gpu_winner(point: dict, order: tuple[str, ...] = PREFERENCE) -> str:
+def gpu_winner(point: Point, order: tuple[str, ...] = PREFERENCE) -> str:
     """The winner by GPU time among the backends a capture may run (over every backend it named inductor
     at 28 of 751 H200 points, where ``select.capture_pick`` then fell back to the cost pick)."""
     c = costs(point)
@@ -245,18 +248,18 @@ def gpu_winner(point: dict, order: tuple[str, ...] = PREFERENCE) -> str:
 
 
 def runs(
-    points: list[dict], by_clock: bool = False, order: tuple[str, ...] = PREFERENCE, by_gpu: bool = False
-) -> list[tuple[str, list[dict]]]:
+    points: list[Point], by_clock: bool = False, order: tuple[str, ...] = PREFERENCE, by_gpu: bool = False
+) -> list[tuple[str, list[Point]]]:
     """Consecutive points (by M) with one winner (``by_gpu``: by GPU time alone; ``by_clock``: also one
     binding clock and one GPU winner)."""
 
-    def key(p: dict) -> tuple:
+    def key(p: Point) -> tuple:
         if by_gpu:
             return (gpu_winner(p, order),)
         w = winner(p, order)
         return (w, bound(p, w), gpu_winner(p, order)) if by_clock else (w,)
 
-    out: list[tuple[tuple, list[dict]]] = []
+    out: list[tuple[tuple, list[Point]]] = []
     for p in sorted((p for p in points if costs(p)), key=lambda p: p["m"]):
         k = key(p)
         if out and out[-1][0] == k:
@@ -266,10 +269,10 @@ def runs(
     return [(k[0], pts) for k, pts in out]
 
 
-def segment(m_from: int, name: str, points: list[dict], order: tuple[str, ...] = PREFERENCE) -> dict:
+def segment(m_from: int, name: str, points: list[Point], order: tuple[str, ...] = PREFERENCE) -> dict:
     """A segment won by ``name`` over ``points``; its numbers come from the closest call among them."""
 
-    def margin(p: dict) -> float:
+    def margin(p: Point) -> float:
         others = [v for n, v in costs(p).items() if n != name]
         return min(others) / costs(p)[name] - 1 if others else math.inf
 
@@ -294,7 +297,7 @@ def segment(m_from: int, name: str, points: list[dict], order: tuple[str, ...] =
     return seg
 
 
-def fit(points: list[dict], order: tuple[str, ...] = PREFERENCE) -> list[dict]:
+def fit(points: list[Point], order: tuple[str, ...] = PREFERENCE) -> list[dict]:
     """Segments along M, a new one where the winner, its binding clock or the GPU winner changes, from
     the geometric middle of the two points that bracket the change."""
     segments, prev = [], 0
@@ -311,13 +314,15 @@ PRUNE = 0.3  # timed at two or more points and this much dearer than the cheapes
 HOPELESS = 2.0  # more than this times the cheapest at a series' first point: dropped at once
 
 
-def contenders(names: list[str], points: dict[int, dict], partial: frozenset[str] = frozenset()) -> list[str]:
+def contenders(
+    names: list[str], points: dict[int, Point], partial: frozenset[str] = frozenset()
+) -> list[str]:
     """``names`` less the backends this series has seen lose clearly: PRUNE dearer than the cheapest at
     two or more points on cost and on GPU time (by cost alone triton left DeiT-small's 2048 x 1536 x 384
     gelu training, 41 us on the GPU against eager's 52), or, at the first point (the largest M),
-    HOPELESS dearer with no lower host cost. Eager is always timed; the cheapest is taken among backends
-    serving every member (``partial`` aside: cuBLASLt's tanh-only GELU had pruned triton from the gelu
-    cells sharing gelu_tanh's timings)."""
+    HOPELESS dearer with no lower host cost. Eager and the baseline are always timed; the cheapest is
+    taken among backends serving every member (``partial`` aside: cuBLASLt's tanh-only GELU had pruned
+    triton from the gelu cells sharing gelu_tanh's timings)."""
     host = series_host(list(points.values())) if len(points) > 1 else None
     bars = []  # per point: costs, GPU times, the cheapest cost and fastest GPU time among the rivals
     for p in points.values():
@@ -339,7 +344,7 @@ def contenders(names: list[str], points: dict[int, dict], partial: frozenset[str
     return keep
 
 
-def _hopeless(name: str, p: dict, partial: frozenset[str] = frozenset()) -> bool:
+def _hopeless(name: str, p: Point, partial: frozenset[str] = frozenset()) -> bool:
     """HOPELESS dearer than the cheapest rival on cost and on GPU time, with no lower host cost (a single
     570 us host sample of a 270 us call once dropped the eventual winner from a whole series)."""
     c, gpu = costs(p), p["gpu_us"]
@@ -354,15 +359,16 @@ def _hopeless(name: str, p: dict, partial: frozenset[str] = frozenset()) -> bool
     )
 
 
-def hopeless_in(points: list[dict], partial: frozenset[str] = frozenset()) -> set[str]:
-    """Backends (never eager) hopeless wherever timed: a class's first size drops them from the later ones."""
+def hopeless_in(points: list[Point], partial: frozenset[str] = frozenset()) -> set[str]:
+    """Backends (never eager or the baseline) hopeless wherever timed: a class's first size drops them from
+    the later ones."""
     timed = [p for p in points if costs(p)]
-    names = {n for p in timed for n in costs(p)} - {"eager"}
+    names = {n for p in timed for n in costs(p)} - {"eager", BASELINE}
     return {n for n in names if all(_hopeless(n, p, partial) for p in timed if n in costs(p))}
 
 
 def to_bisect(
-    points: dict[int, dict], ratio: float, order: tuple[str, ...] = PREFERENCE, pooled: bool = False
+    points: dict[int, Point], ratio: float, order: tuple[str, ...] = PREFERENCE, pooled: bool = False
 ) -> list[int]:
     """New M between neighbouring measured points whose winners (in the mode's ``order``) differ and that
     are still far apart; a multiple of 16 where one lies between (Triton specializes on divisibility by

@@ -1,0 +1,105 @@
+"""Triton fused_mlp: Dropout_out(Dropout_p(act(x @ W_in^T + b_in)) @ W_out^T + b_out) (``KERNELS``),
+the products on cuBLAS (``torch.addmm`` / ``torch.mm``, as fused_linear's training path) and the
+pointwise work in one Triton pass each. Backward regenerates both masks from their rngs and the hidden
+activation from pre: a forward keeps only pre, (M, F), or (M, 2F) [gate | up] for a gate.
+
+    forward   pre = x @ W_in^T + b_in                         cuBLAS, bias in the product (a pair: two
+                                                                products into pre's halves)
+              a = drop_p(act(pre))                            one pass (gate.py): read pre, write a
+              y = a @ W_out^T + b_out                         cuBLAS
+              y = drop_out(y)                                 one pass (bias_act_dropout's, identity)
+    backward  g = drop_out'(grad_y), grad_b_out = sums(g)     one pass (bias_act_dropout's, identity)
+              grad_a = g @ W_out                              cuBLAS
+              grad_pre = drop_p'(grad_a) * act'(pre), a,      one pass (gate.py): the hidden mask drawn
+                grad_b_in = sums(grad_pre)                      once, float32 partial sums
+              grad_W_out = g^T a                              cuBLAS
+              grad_W_in = grad_pre^T x, grad_x = grad_pre W_in  cuBLAS (a pair: each half)
+The bias stays inside the first product, rounded with it once: a bias added after rounding x @ W^T
+flips relu-like masks where |x @ W^T| >> |x @ W^T + b| (fused_linear.py's forward).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from dispatch.backends.triton import bias_act_dropout, gate
+from dispatch.contracts.backend import Kernels
+from dispatch.ops.fused_mlp import Block
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
+    """x @ W^T + b on cuBLAS, into ``out`` if given (a view with unit column stride: written in place)."""
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def _project_in(b: Block) -> Tensor:
+    """pre = x @ W_in^T + b_in: (M, F), or (M, 2F) [gate | up] for a gate. A (gate, up) pair takes two
+    products written into pre's halves, so the weights are never concatenated (copied) per call."""
+    if b.w_up is None:
+        return _linear(b.x, b.w_in, b.b_in)
+    f = b.w_in.shape[0]
+    pre = b.x.new_empty((b.x.shape[0], 2 * f))
+    _linear(b.x, b.w_in, b.b_in, out=pre[:, :f])
+    _linear(b.x, b.w_up, b.b_up, out=pre[:, f:])
+    return pre
+
+
+def forward(b: Block, rngs: tuple) -> tuple[Tensor, tuple[Tensor]]:
+    pre = _project_in(b)  # (M, F) or (M, 2F)
+    a = gate.forward(pre, b.activation, b.p, rngs[0] if b.p > 0 else None)  # (M, F)
+    y = _linear(a, b.w_out, b.b_out)  # (M, H_out)
+    if b.p_out > 0:
+        y = bias_act_dropout.KERNELS.forward(y, None, "identity", b.p_out, rngs[1])
+    return y, (pre,)
+
+
+def inference(b: Block, rngs: tuple) -> Tensor:
+    return forward(b, rngs)[0]
+
+
+def backward(
+    grad_y: Tensor, b: Block, rngs: tuple, saved: tuple, needs: tuple
+) -> tuple[Optional[Tensor], ...]:
+    (pre,) = saved
+    need_x, need_w_in, need_w_up, need_b_in, need_b_up, need_w_out, need_b_out = needs
+    need_b_out = need_b_out and b.b_out is not None
+    need_pre = need_x or need_w_in or need_w_up
+    need_b = (need_b_in or need_b_up) and b.b_in is not None
+    g, grad_b_out = grad_y, None  # (M, H_out)
+    if b.p_out > 0 or need_b_out:  # g = grad_y * keep * scale and its column sums, one pass
+        rng_out = rngs[1] if b.p_out > 0 else None
+        dropped, grad_b_out = bias_act_dropout.backward_pass(
+            grad_y, grad_y, None, "identity", b.p_out, rng_out, rng_out is not None, need_b_out
+        )
+        g = grad_y if dropped is None else dropped
+    rng = rngs[0] if b.p > 0 else None
+    grad_pre = a = grad_b = None
+    if need_pre or need_b:
+        grad_a = torch.mm(g, b.w_out)  # (M, F)
+        grad_pre, a, grad_b = gate.backward(
+            grad_a, pre, b.activation, b.p, rng, need_pre, need_w_out, need_b
+        )
+    elif need_w_out:
+        a = gate.forward(pre, b.activation, b.p, rng)
+    grad_w_out = torch.mm(g.t(), a) if need_w_out else None  # (H_out, F)
+    if b.w_up is None:
+        grad_x = torch.mm(grad_pre, b.w_in) if need_x else None  # (M, H)
+        grad_w_in = torch.mm(grad_pre.t(), b.x) if need_w_in else None  # (F or 2F, H)
+        grad_b_in = grad_b if need_b_in else None
+        return grad_x, grad_w_in, None, grad_b_in, None, grad_w_out, grad_b_out
+    f = b.w_in.shape[0]  # a (gate, up) pair: grad_pre's halves, column slices (no copies)
+    g_gate, g_up = (None, None) if grad_pre is None else (grad_pre[:, :f], grad_pre[:, f:])
+    grad_x = torch.mm(g_gate, b.w_in).addmm_(g_up, b.w_up) if need_x else None
+    grad_w_in = torch.mm(g_gate.t(), b.x) if need_w_in else None
+    grad_w_up = torch.mm(g_up.t(), b.x) if need_w_up else None
+    grad_b_in = grad_b[:f] if need_b and need_b_in else None
+    grad_b_up = grad_b[f:] if need_b and need_b_up else None
+    return grad_x, grad_w_in, grad_w_up, grad_b_in, grad_b_up, grad_w_out, grad_b_out
+
+
+KERNELS = Kernels(forward=forward, backward=backward, inference=inference)

@@ -1,0 +1,236 @@
+"""Triton fused_mlp: the output and every gradient against the float64 reference with the same masks
+(drawn as the op's runner draws them), the masks identical to eager's for the same generator seed,
+the gradient subsets, inference, and bitwise-deterministic gradients.
+
+On CPU the kernels run under Triton's interpreter, so the cases are a representative subset of
+activation x (stacked, pair) weights x bias x p x p_out x dtype on tiny odd shapes that still cross the
+paths that matter: F % 8 == 0 (one Philox call per 8 elements) and not, decode shapes (grad_b_in
+written directly) and longer ones (partial bias sums plus a reduction). ``gpu``-marked tests use real
+sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pytest
+import torch
+
+from dispatch import fused_mlp
+from dispatch.backends.triton import gate
+from dispatch.contracts import rng as dropout_rng
+from dispatch.contracts.activations import GATED_NAMES, GATES
+from dispatch.contracts.tolerances import check
+from dispatch.ops.fused_mlp import TENSORS, Block, reference
+
+triton_backend = pytest.importorskip("dispatch.backends.triton").BACKEND
+if triton_backend.unavailable():
+    pytest.skip(triton_backend.unavailable(), allow_module_level=True)
+
+F32, BF16 = torch.float32, torch.bfloat16
+GRADS = tuple(f"grad_{name}" for name in TENSORS)
+
+
+def _inputs(activation, pair, bias, dtype, shape, device, x_shape=None):
+    """Block.tensors for (M, H, F, H_out): x, w_in, w_up, b_in, b_up, w_out, b_out."""
+    m, h, f, h_out = shape
+    f_in = 2 * f if activation in GATES and not pair else f
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, device=device) * scale).to(dtype)
+
+    x = randn(*(x_shape or (m, h)))
+    w_in, w_up = randn(f_in, h, scale=1 / math.sqrt(h)), randn(f, h, scale=1 / math.sqrt(h)) if pair else None
+    b_in, b_up = (randn(f_in, scale=0.5), randn(f, scale=0.5) if pair else None) if bias else (None, None)
+    w_out, b_out = randn(h_out, f, scale=1 / math.sqrt(f)), randn(h_out, scale=0.5) if bias else None
+    return x, w_in, w_up, b_in, b_up, w_out, b_out
+
+
+def _leaves(tensors, needs, dtype=None):
+    return [
+        None if t is None else t.detach().to(dtype or t.dtype).requires_grad_(need)
+        for t, need in zip(tensors, needs)
+    ]
+
+
+def _grads(y, leaves, grad_y) -> list[Optional[torch.Tensor]]:
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    found = iter(torch.autograd.grad(y, wanted, grad_y.to(y.dtype)) if wanted else ())
+    return [next(found) if t is not None and t.requires_grad else None for t in leaves]
+
+
+def _public(backend, tensors, activation, p, p_out, seed, grad_y, needs, training=True):
+    """fused_mlp on ``backend``, generator seeded ``seed``: y and, for a ``grad_y``, the gradients in
+    Block.tensors order."""
+    x, w_in, w_up, b_in, b_up, w_out, b_out = leaves = _leaves(tensors, needs)
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    w = w_in if w_up is None else (w_in, w_up)
+    b = b_in if b_up is None else (b_in, b_up)
+    y = fused_mlp(x, w, b, w_out, b_out, activation, p, p_out, training, generator=gen, backend=backend)
+    return y.detach(), None if grad_y is None else _grads(y, leaves, grad_y)
+
+
+def _reference(tensors, activation, p, p_out, seed, grad_y, needs):
+    """The float64 reference with the masks of the runner's draws from a generator seeded ``seed``."""
+    x = tensors[0]
+    m, f, h_out = x.numel() // x.shape[-1], tensors[5].shape[1], tensors[5].shape[0]
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    hidden = dropout_rng.draw_for(x, gen, m * f) if p > 0 else None
+    out = dropout_rng.draw_for(x, gen, m * h_out) if p_out > 0 else None
+    leaves = _leaves(tensors, needs, torch.float64)
+    rows = leaves[0].reshape(m, x.shape[-1])
+    y = reference(Block(rows, *leaves[1:], activation, p, p_out), (hidden, out)).view(*x.shape[:-1], h_out)
+    return y.detach(), None if grad_y is None else _grads(y, leaves, grad_y)
+
+
+def assert_matches(tensors, activation, p, p_out, seed=7, needs=None):
+    """Triton vs the float64 reference, within twice eager's error in the same dtype plus the dtype's
+    tolerance; eager with the same generator seed drops exactly the same outputs."""
+    needs = needs or tuple(t is not None for t in tensors)
+    x, w_out = tensors[0], tensors[5]
+    grad_y = torch.randn(*x.shape[:-1], w_out.shape[0], device=x.device).to(x.dtype)
+    y, grads = _public("triton", tensors, activation, p, p_out, seed, grad_y, needs)
+    eager, eager_grads = _public("eager", tensors, activation, p, p_out, seed, grad_y, needs)
+    ref, ref_grads = _reference(tensors, activation, p, p_out, seed, grad_y, needs)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    assert torch.equal(y == 0, eager == 0), "the output masks differ from eager's"
+    check("y", y, ref, eager)
+    for name, g, r, e, t, need in zip(GRADS, grads, ref_grads, eager_grads, tensors, needs):
+        if need and t is not None:
+            assert g is not None and g.dtype == t.dtype and g.shape == t.shape, name
+            check(name, g, r, e)
+        else:
+            assert g is None, f"{name} computed but not needed"
+
+
+# ----------------------------------------------------------------------------- parity
+
+# (activation, (gate, up) pair weights, bias, p, p_out, dtype, (M, H, F, H_out)): every activation the
+# brief names and every gate, stacked and pair, bias on and off, each p and p_out, F % 8 == 0 and not
+CASES = [
+    ("gelu", False, True, 0.3, 0.2, F32, (7, 9, 17, 9)),
+    ("relu", False, False, 0.3, 0.0, F32, (1, 5, 6, 5)),
+    ("squared_relu", False, True, 0.0, 0.2, F32, (7, 5, 6, 9)),
+    ("silu", False, False, 0.0, 0.0, F32, (7, 9, 16, 9)),
+    ("swiglu", False, True, 0.3, 0.2, F32, (7, 9, 17, 9)),
+    ("swiglu", True, True, 0.3, 0.0, F32, (7, 5, 6, 5)),
+    ("geglu", True, False, 0.0, 0.2, F32, (1, 9, 17, 9)),
+    ("geglu_tanh", False, False, 0.3, 0.2, F32, (7, 5, 16, 5)),
+    ("reglu", True, True, 0.3, 0.2, F32, (7, 9, 17, 5)),
+    ("reglu", False, True, 0.0, 0.0, F32, (1, 5, 6, 5)),
+    ("swiglu", True, True, 0.3, 0.2, BF16, (7, 9, 17, 9)),
+]
+
+
+@pytest.mark.parametrize(
+    "activation, pair, bias, p, p_out, dtype, shape",
+    [pytest.param(*case, id="-".join(map(str, case[:5])) + f"-{str(case[5])[6:]}") for case in CASES],
+)
+def test_matches_reference(activation, pair, bias, p, p_out, dtype, shape, device):
+    assert_matches(_inputs(activation, pair, bias, dtype, shape, device), activation, p, p_out)
+
+
+def test_every_gate_is_declared():
+    assert set(GATED_NAMES) <= triton_backend.activations
+    assert {case[0] for case in CASES} >= {"gelu", "relu", "squared_relu", "silu", *GATED_NAMES}
+
+
+@pytest.mark.parametrize("activation, pair", [("gelu", False), ("geglu", True)])
+def test_long_shapes_reduce_partials(activation, pair, device):
+    """M = 300: several backward row programs, partial bias sums and their reduction; bitwise the same
+    gradients on a second run."""
+    tensors = _inputs(activation, pair, True, F32, (300, 5, 16, 5), device)
+    assert_matches(tensors, activation, 0.3, 0.2, seed=3)
+    grad_y = torch.randn(300, 5, device=device)
+    needs = (True,) * 7
+    first = _public("triton", tensors, activation, 0.3, 0.2, 3, grad_y, needs)[1]
+    second = _public("triton", tensors, activation, 0.3, 0.2, 3, grad_y, needs)[1]
+    for a, b in zip(first, second):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_leading_dims(device):
+    tensors = _inputs("swiglu", False, True, F32, (6, 9, 17, 9), device, x_shape=(2, 3, 9))
+    assert_matches(tensors, "swiglu", 0.3, 0.2)
+
+
+@pytest.mark.parametrize(
+    "needs",
+    [
+        (False, False, False, False, False, True, False),  # grad_W_out only: a recomputed alone
+        (False, False, False, True, True, False, False),  # grad_b_in only: no grad_pre written
+        (True, False, False, False, False, False, True),  # grad_x and grad_b_out
+    ],
+    ids=["w_out", "b_in", "x-b_out"],
+)
+def test_gradient_subsets(needs, device):
+    tensors = _inputs("geglu", True, True, F32, (7, 5, 6, 5), device)
+    assert_matches(tensors, "geglu", 0.3, 0.2, needs=needs)
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+@pytest.mark.parametrize("activation, pair", [("silu", False), ("swiglu", True)])
+@pytest.mark.parametrize("f", [24, 13])
+def test_hidden_mask_identical_to_eager(activation, pair, f, device):
+    """W_out = I, no output dropout: y is the hidden activation a, so its zeros are the hidden mask."""
+    x, w_in, w_up, b_in, b_up, _, _ = _inputs(activation, pair, True, F32, (70, 5, f, f), device)
+    tensors = (x, w_in, w_up, b_in, b_up, torch.eye(f, device=device), None)
+    no_grads = (False,) * 7
+    y = _public("triton", tensors, activation, 0.5, 0.0, 11, None, no_grads)[0]
+    eager = _public("eager", tensors, activation, 0.5, 0.0, 11, None, no_grads)[0]
+    assert torch.equal(y == 0, eager == 0)
+    assert 0.4 < (y == 0).float().mean().item() < 0.6
+
+
+def test_host_rng_equals_its_tensor_form(device):
+    """A HostRng (CUDA's form outside graph capture) reaches the gate kernels as four int32 words, with
+    high bits set: the same a and gradients as the same (seed, offset) as a tensor."""
+    host = dropout_rng.HostRng(2**64 - 3, 2**32 + 7)
+    tensor = dropout_rng.as_tensor(host, torch.device(device))
+    pre, grad_a = torch.randn(9, 26, device=device), torch.randn(9, 13, device=device)
+    assert torch.equal(gate.forward(pre, "swiglu", 0.3, host), gate.forward(pre, "swiglu", 0.3, tensor))
+    for a, b in zip(
+        gate.backward(grad_a, pre, "swiglu", 0.3, host, True, True, True),
+        gate.backward(grad_a, pre, "swiglu", 0.3, tensor, True, True, True),
+    ):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- inference
+
+
+def test_inference_without_grad_keeps_the_masks(device):
+    """Under no_grad the op runs ``inference``: with the same seed, y is bitwise the training call's."""
+    tensors = _inputs("reglu", False, True, F32, (7, 9, 17, 9), device)
+    trained = _public("triton", tensors, "reglu", 0.3, 0.2, 5, None, (True,) * 7)[0]
+    with torch.no_grad():
+        inferred = _public("triton", tensors, "reglu", 0.3, 0.2, 5, None, (False,) * 7)[0]
+    assert torch.equal(trained, inferred)
+
+
+def test_eval_mode_drops_nothing(device):
+    tensors = _inputs("gelu", False, True, F32, (7, 9, 17, 9), device)
+    with torch.no_grad():
+        y = _public("triton", tensors, "gelu", 0.3, 0.2, 5, None, (False,) * 7, training=False)[0]
+    check("y", y, _reference(tensors, "gelu", 0.0, 0.0, 5, None, (False,) * 7)[0])
+
+
+# ----------------------------------------------------------------------------- real sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "activation, pair, dtype, shape",
+    [
+        ("swiglu", False, BF16, (2048, 1024, 2816, 1024)),
+        ("geglu", True, torch.float16, (1823, 129, 781, 129)),
+        ("gelu", False, BF16, (4096, 768, 3072, 768)),
+        ("squared_relu", False, F32, (1823, 129, 781, 257)),
+    ],
+    ids=str,
+)
+def test_real_sizes(activation, pair, dtype, shape, device):
+    assert_matches(_inputs(activation, pair, True, dtype, shape, device), activation, 0.1, 0.1)
