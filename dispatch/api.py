@@ -25,9 +25,8 @@ class _Dispatcher:
     def run(self, spec: OpSpec, c: OpCall, backend: Optional[str]) -> Tensor:
         if backend is not None:
             check_backend(backend)
-        done = spec.special(c, backend)
-        if done is not None:
-            return done
+        if c.special:
+            return spec.special(c, backend)
         if torch.compiler.is_compiling():
             from dispatch import compiling
 

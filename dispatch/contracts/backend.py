@@ -44,13 +44,15 @@ class Kernels:
     """One backend's implementation of one op; the signatures are the op's (its spec's docstring).
     ``autograd(activation)``: forward is plain torch ops that torch's autograd differentiates itself
     (no Function around it); ``masks``: "spec" regenerates dropout masks from
-    ``dispatch.contracts.rng`` in backward, "torch" draws them from torch's RNG as nn.Dropout does."""
+    ``dispatch.contracts.rng`` in backward, "torch" draws them from torch's RNG as nn.Dropout does.
+    Kernels take x as rows, (M, features), unless ``any_shape``."""
 
     forward: Callable[..., Any]
     backward: Callable[..., Any]
     inference: Callable[..., Any]
     autograd: Callable[[str], bool] = _never
     masks: str = "spec"
+    any_shape: bool = False  # forward and inference take x (..., features) as the caller gave it
 
 
 def _always_available() -> Optional[str]:

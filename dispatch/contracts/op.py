@@ -23,12 +23,14 @@ P_DROPOUT = 0.1  # the p of every calibrated dropout case: a cost does not depen
 
 class OpCall:
     """One checked call of an op: what its decision keys on (``call``) and its arguments. Each op
-    subclasses it with its own tensors and parameters."""
+    subclasses it with its own tensors and parameters. ``special``: a call no kernel should see
+    (``OpSpec.special`` answers it)."""
 
-    __slots__ = ("call",)
+    __slots__ = ("call", "special")
 
-    def __init__(self, call: Call) -> None:
+    def __init__(self, call: Call, special: bool = False) -> None:
         self.call = call
+        self.special = special
 
 
 @dataclass(frozen=True)

@@ -28,18 +28,20 @@ NAME = "bias_act_dropout"
 
 
 class BiasActDropoutCall(OpCall):
-    __slots__ = ("x", "bias", "activation", "p", "dropout", "generator", "shape")
+    __slots__ = ("x", "bias", "activation", "p", "dropout", "generator", "shape", "flat")
 
     def __init__(self, call: Call, x: Tensor, bias: Optional[Tensor], activation: str, p: float,
-                 dropout: bool, generator: Optional[torch.Generator], shape: torch.Size) -> None:  # fmt: skip
-        super().__init__(call)
-        self.x = x  # (M, N): a view of the caller's x where strides allow
+                 dropout: bool, generator: Optional[torch.Generator], shape: torch.Size, flat: bool) -> None:  # fmt: skip
+        self.call = call
+        self.special = dropout and p == 1.0  # every element dropped: SPEC.special
+        self.x = x  # the caller's x, (..., N)
         self.bias = bias  # (N,) contiguous, or None
         self.activation = activation
         self.p = p  # 0.0 unless dropout
         self.dropout = dropout  # training and p > 0
         self.generator = generator
         self.shape = shape  # the caller's x shape, the output's
+        self.flat = flat  # x is (M, N) itself: kernels take it as it is
 
 
 def parse(
@@ -55,10 +57,15 @@ def parse(
     x, bias, activation, p, dropout, shape, device, dtype = checks.bias_act_dropout_args(
         x, bias, activation, p, training, generator
     )
-    rows = x if x.dim() == 2 else x.reshape(shape[0], shape[1])
     grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     call = Call(NAME, device, dtype, shape, activation, dropout and p < 1.0, grad)
-    return BiasActDropoutCall(call, rows, bias, activation, p if dropout else 0.0, dropout, generator, x.shape)
+    flat = x.dim() == 2
+    return BiasActDropoutCall(call, x, bias, activation, p if dropout else 0.0, dropout, generator, x.shape, flat)
+
+
+def rows(c: BiasActDropoutCall) -> Tensor:
+    """x as (M, N): a view where strides allow."""
+    return c.x if c.flat else c.x.reshape(c.call.shape)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -131,7 +138,8 @@ def _baseline_backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activa
 
 
 BASELINE_KERNELS = Kernels(
-    forward=baseline, backward=_baseline_backward, inference=baseline, autograd=lambda a: True, masks="torch"
+    forward=baseline, backward=_baseline_backward, inference=baseline, autograd=lambda a: True, masks="torch",
+    any_shape=True,
 )
 
 
@@ -171,32 +179,43 @@ class BiasActDropout(torch.autograd.Function):
 
 
 def runner(kernels: Kernels, call: Call) -> Callable[[BiasActDropoutCall], Tensor]:
-    """How calls like ``call`` run on ``kernels``, chosen once per decision."""
-    spec_masks = kernels.masks == "spec"
-    if spec_masks and call.dropout:
-
-        def draw(c: BiasActDropoutCall) -> Any:
-            return dropout_rng.draw_for(c.x, c.generator)
-    else:
-
-        def draw(c: BiasActDropoutCall) -> Any:
-            return None if spec_masks else c.generator
-
+    """How calls like ``call`` run on ``kernels``, chosen once per decision: the kernels' inference,
+    their forward under torch's autograd, or the Function; the spec's rng drawn only for dropout."""
+    draws = kernels.masks == "spec" and call.dropout
+    torch_masks = kernels.masks != "spec"
+    any_shape = kernels.any_shape
     if not call.training or kernels.autograd(call.activation):
-        run = kernels.inference if not call.training else kernels.forward
+        run = kernels.forward if call.training else kernels.inference
+    else:
+        apply = BiasActDropout.apply
 
-        def direct(c: BiasActDropoutCall) -> Tensor:
-            y = run(c.x, c.bias, c.activation, c.p, draw(c))
-            return y if y.shape == c.shape else y.view(c.shape)
+        def run(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Any) -> Tensor:
+            return apply(x, bias, kernels, activation, p, rng)
 
-        return direct
-    apply = BiasActDropout.apply
+    if draws:
+        draw_for = dropout_rng.draw_for
 
-    def with_function(c: BiasActDropoutCall) -> Tensor:
-        y = apply(c.x, c.bias, kernels, c.activation, c.p, draw(c))
-        return y if y.shape == c.shape else y.view(c.shape)
+        def drawing(c: BiasActDropoutCall) -> Tensor:
+            if c.flat:
+                return run(c.x, c.bias, c.activation, c.p, draw_for(c.x, c.generator))
+            x = c.x.reshape(c.call.shape)
+            return run(x, c.bias, c.activation, c.p, draw_for(x, c.generator)).view(c.shape)
 
-    return with_function
+        return drawing
+    if any_shape:
+
+        def shaped(c: BiasActDropoutCall) -> Tensor:
+            return run(c.x, c.bias, c.activation, c.p, c.generator if torch_masks else None)
+
+        return shaped
+
+    def plain(c: BiasActDropoutCall) -> Tensor:
+        rng = c.generator if torch_masks else None
+        if c.flat:
+            return run(c.x, c.bias, c.activation, c.p, rng)
+        return run(c.x.reshape(c.call.shape), c.bias, c.activation, c.p, rng).view(c.shape)
+
+    return plain
 
 
 # ----------------------------------------------------------------------------- torch.compile
@@ -287,9 +306,7 @@ class BiasActDropoutSpec(OpSpec):
     def special(self, c: BiasActDropoutCall, backend: Optional[str]) -> Optional[Tensor]:
         """p == 1 in training drops everything: the activation times zero, as F.dropout (zeros, NaN
         where 0 * inf); not for the kernels (the 16-bit threshold stops at 65535/65536)."""
-        if c.dropout and c.p == 1.0:
-            return fused_bias_act_dropout(c.x, c.bias, c.activation, 0.0, False, backend=backend).mul(0.0).view(c.shape)
-        return None
+        return fused_bias_act_dropout(c.x, c.bias, c.activation, 0.0, False, backend=backend).mul(0.0)
 
     def traced(self, c: OpCall, backend: Optional[str], inline: bool) -> Tensor:
         """Inline: the baseline math, so inductor fuses it with its neighbours and draws the mask with its
@@ -297,18 +314,18 @@ class BiasActDropoutSpec(OpSpec):
         eager mode. Otherwise (a backend requested) one custom op with the spec's mask."""
         assert isinstance(c, BiasActDropoutCall)
         if inline:
-            return baseline(c.x, c.bias, c.activation, c.p, c.generator).view(c.shape)
+            return baseline(c.x, c.bias, c.activation, c.p, c.generator)
         rng = dropout_rng.draw(c.x.device, c.generator) if c.dropout else None
-        return _custom(c.x, c.bias, c.activation, c.p, rng, backend or "", c.call.training).view(c.shape)
+        return _custom(rows(c), c.bias, c.activation, c.p, rng, backend or "", c.call.training).view(c.shape)
 
     def reference(self, c: OpCall, upcast: bool = False) -> Tensor:
         assert isinstance(c, BiasActDropoutCall)
         rng = dropout_rng.draw_for(c.x, c.generator) if c.dropout else None
-        return reference(c.x, c.bias, c.activation, c.p, rng, upcast).view(c.shape)
+        return reference(c.x, c.bias, c.activation, c.p, rng, upcast)
 
     def baseline(self, c: OpCall) -> Tensor:
         assert isinstance(c, BiasActDropoutCall)
-        return baseline(c.x, c.bias, c.activation, c.p, c.generator).view(c.shape)
+        return baseline(c.x, c.bias, c.activation, c.p, c.generator)
 
     def baseline_kernels(self) -> Kernels:
         return BASELINE_KERNELS

@@ -24,12 +24,14 @@ NAME = "fused_linear"
 
 
 class FusedLinearCall(OpCall):
-    __slots__ = ("x", "weight", "bias", "activation", "out_shape")
+    __slots__ = ("x", "weight", "bias", "activation", "out_shape", "flat")
 
     def __init__(self, call: Call, x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str,
-                 out_shape: tuple[int, ...]) -> None:  # fmt: skip
-        super().__init__(call)
-        self.x = x  # (M, K): a view of the caller's x where strides allow
+                 out_shape: tuple[int, ...], flat: bool) -> None:  # fmt: skip
+        self.call = call
+        self.special = False
+        self.flat = flat  # x is (M, K) itself: kernels take it as it is
+        self.x = x  # the caller's x, (..., K)
         self.weight = weight  # (N, K)
         self.bias = bias  # (N,) contiguous, or None
         self.activation = activation
@@ -40,12 +42,17 @@ def parse(x: object, weight: object, bias: object = None, activation: object = "
     """The checked call; the errors name the first bad argument in argument order."""
     x, weight, bias, activation, shape, device, dtype = checks.fused_linear_args(x, weight, bias, activation)
     m, n, k = shape
-    rows = x if x.dim() == 2 else x.reshape(m, k)
+    flat = x.dim() == 2
     grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
     call = Call(NAME, device, dtype, shape, activation, False, grad)
-    return FusedLinearCall(call, rows, weight, bias, activation, (*x.shape[:-1], n))
+    return FusedLinearCall(call, x, weight, bias, activation, (*x.shape[:-1], n), flat)
+
+
+def rows(c: FusedLinearCall) -> Tensor:
+    """x as (M, K): a view where strides allow."""
+    return c.x if c.flat else c.x.reshape(c.call.shape[0], c.call.shape[2])
 
 
 # A backend's ``Kernels`` (dispatch.contracts.backend) for this op. x (M, K) and weight (N, K) any
@@ -107,7 +114,7 @@ def _baseline_backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional
 
 BASELINE_KERNELS = Kernels(
     forward=_baseline_forward, backward=_baseline_backward, inference=baseline, autograd=lambda a: True,
-    masks="torch",
+    masks="torch", any_shape=True,
 )
 
 
@@ -138,30 +145,34 @@ class FusedLinear(torch.autograd.Function):
 
 
 def runner(kernels: Kernels, call: Call) -> Callable[[FusedLinearCall], Tensor]:
-    """How calls like ``call`` run on ``kernels``, chosen once per decision."""
+    """How calls like ``call`` run on ``kernels``, chosen once per decision: their inference, their
+    forward under torch's autograd, or the Function."""
     if not call.training:
-        inference = kernels.inference
-
-        def infer(c: FusedLinearCall) -> Tensor:
-            y = inference(c.x, c.weight, c.bias, c.activation)
-            return y if y.dim() == len(c.out_shape) else y.view(c.out_shape)
-
-        return infer
-    if kernels.autograd(call.activation):
+        run = kernels.inference
+    elif kernels.autograd(call.activation):
         forward = kernels.forward
 
-        def differentiable(c: FusedLinearCall) -> Tensor:
-            y = forward(c.x, c.weight, c.bias, c.activation)[0]
-            return y if y.dim() == len(c.out_shape) else y.view(c.out_shape)
+        def run(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
+            return forward(x, weight, bias, activation)[0]
+    else:
+        apply = FusedLinear.apply
 
-        return differentiable
-    apply = FusedLinear.apply
+        def run(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
+            return apply(x, weight, bias, kernels, activation)
 
-    def with_function(c: FusedLinearCall) -> Tensor:
-        y = apply(c.x, c.weight, c.bias, kernels, c.activation)
-        return y if y.dim() == len(c.out_shape) else y.view(c.out_shape)
+    if kernels.any_shape:
 
-    return with_function
+        def shaped(c: FusedLinearCall) -> Tensor:
+            return run(c.x, c.weight, c.bias, c.activation)
+
+        return shaped
+
+    def plain(c: FusedLinearCall) -> Tensor:
+        if c.flat:
+            return run(c.x, c.weight, c.bias, c.activation)
+        return run(rows(c), c.weight, c.bias, c.activation).view(c.out_shape)
+
+    return plain
 
 
 # ----------------------------------------------------------------------------- torch.compile
@@ -273,16 +284,16 @@ class FusedLinearSpec(OpSpec):
         nn.Linear; otherwise one custom op."""
         assert isinstance(c, FusedLinearCall)
         if inline:
-            return baseline(c.x, c.weight, c.bias, c.activation).view(c.out_shape)
-        return _custom(c.x, c.weight, c.bias, c.activation, backend or "", c.call.training)[0].view(c.out_shape)
+            return baseline(c.x, c.weight, c.bias, c.activation)
+        return _custom(rows(c), c.weight, c.bias, c.activation, backend or "", c.call.training)[0].view(c.out_shape)
 
     def reference(self, c: OpCall, upcast: bool = False) -> Tensor:
         assert isinstance(c, FusedLinearCall)
-        return reference(c.x, c.weight, c.bias, c.activation, upcast).view(c.out_shape)
+        return reference(c.x, c.weight, c.bias, c.activation, upcast)
 
     def baseline(self, c: OpCall) -> Tensor:
         assert isinstance(c, FusedLinearCall)
-        return baseline(c.x, c.weight, c.bias, c.activation).view(c.out_shape)
+        return baseline(c.x, c.weight, c.bias, c.activation)
 
     def baseline_kernels(self) -> Kernels:
         return BASELINE_KERNELS

@@ -54,7 +54,7 @@ class FusedMLPCall(OpCall):
 
     def __init__(self, call: Call, block: Block, generator: Optional[torch.Generator],
                  out_shape: tuple[int, ...]) -> None:  # fmt: skip
-        super().__init__(call)
+        super().__init__(call, block.p == 1.0 or block.p_out == 1.0)  # every element dropped: SPEC.special
         self.block, self.generator, self.out_shape = block, generator, out_shape
 
 
@@ -210,20 +210,8 @@ BASELINE_KERNELS = Kernels(
 )
 
 
-def _reference_backward(grad_y: Tensor, b: Block, rngs: tuple, saved: tuple, needs: tuple) -> tuple:
-    dtype = compute_dtype(b.x.dtype)
-    grads = _grads_of(lambda blk: reference(_cast(blk, dtype), rngs), b, needs, grad_y.to(dtype))
-    return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, b.tensors))
-
-
 def _cast(b: Block, dtype: torch.dtype) -> Block:
     return Block(*(None if t is None else t.to(dtype) for t in b.tensors), *b[7:])  # type: ignore[arg-type]
-
-
-REFERENCE_KERNELS = Kernels(
-    forward=lambda b, rngs: (reference(b, rngs), ()), backward=_reference_backward,
-    inference=lambda b, rngs: reference(b, rngs),
-)
 
 
 # ----------------------------------------------------------------------------- running on kernels
@@ -315,12 +303,10 @@ class FusedMLPSpec(OpSpec):
     def special(self, c: OpCall, backend: Optional[str]) -> Optional[Tensor]:
         """p or p_out == 1 in training: zeros through the same math (F.dropout's), not for kernels."""
         assert isinstance(c, FusedMLPCall)
-        if c.block.p == 1.0 or c.block.p_out == 1.0:
-            keeps = tuple(torch.zeros((), device=c.block.x.device) if p == 1.0 else None for p in c.block[8:10])
-            b = c.block._replace(p=c.block.p if c.block.p < 1 else 0.5, p_out=c.block.p_out if c.block.p_out < 1 else 0.5)
-            rng = (None, None)
-            return reference(b, rng, keeps=keeps).view(c.out_shape)  # type: ignore[arg-type]
-        return None
+        b = c.block
+        keeps = tuple(torch.zeros((), device=b.x.device) if p == 1.0 else None for p in (b.p, b.p_out))
+        b = b._replace(p=min(b.p, 0.5), p_out=min(b.p_out, 0.5))  # any scale: the mask is zero
+        return reference(b, (None, None), keeps=keeps).view(c.out_shape)  # type: ignore[arg-type]
 
     def traced(self, c: OpCall, backend: Optional[str], inline: bool) -> Tensor:
         """Always the baseline math under torch.compile (no custom op yet: inductor fuses the block's
@@ -338,9 +324,6 @@ class FusedMLPSpec(OpSpec):
 
     def baseline_kernels(self) -> Kernels:
         return BASELINE_KERNELS
-
-    def reference_kernels(self) -> Kernels:
-        return REFERENCE_KERNELS
 
     def inputs(self, case: Case, seed: int) -> Inputs:
         g = torch.Generator(device=case.device).manual_seed(seed)
