@@ -14,9 +14,9 @@ weights and biases are cast to that dtype first, as ``nn.Linear`` does (float64 
 as autocast leaves them); the output has that dtype. ``FusedBiasActDropout`` casts its bias to x's
 dtype, whatever x is: the fused op needs one dtype, and x carries the precision the model chose.
 
-torch.compile: both modules compile with ``fullgraph=True``; with no backend requested their ops are
+torch.compile: the modules compile with ``fullgraph=True``; with no backend requested their ops are
 traced as plain math that inductor fuses (dropout with inductor's mask), else each op is one
-custom-op node (``dispatch/library.py``).
+custom-op node (``dispatch/library.py``); ``fused_mlp`` traces as plain math either way.
 
 CUDA graphs: dropout draws its ``[seed, offset]`` pair with ``torch.randint`` on x's device from the
 device's default generator (``dispatch/rng.py``). Under ``torch.cuda.graph`` capture torch registers
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -186,9 +186,6 @@ class FusedBiasActDropout(nn.Module):
         return f"features={self.features}, activation={self.activation!r}, p={self.p}, bias={bias}"
 
 
-Layer = Union[nn.Linear, FusedLinear, nn.Module]  # nn.Module: Hugging Face's Conv1D
-
-
 def is_conv1d(module: object) -> bool:
     """Hugging Face's Conv1D, known by name (transformers is never imported): weight stored (in, out)."""
     return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
@@ -230,8 +227,8 @@ class FusedMLP(nn.Module):
     layers instead, adopting them by reference under their own names: the state_dict keeps its keys and
     loads both ways, which is how ``dispatch.patch`` rewrites GPT-2's, ViT's and LLaMA's MLPs.
 
-    Dropout runs in training mode only (``module.training``), masks by ``dispatch.contracts.rng``'s spec,
-    regenerated in backward, never stored.
+    Dropout runs in training mode only (``module.training``), with ``fused_mlp``'s masks (by
+    ``dispatch.contracts.rng``'s spec, regenerated in backward; the pytorch backend's are torch's).
     """
 
     def __init__(
@@ -278,14 +275,14 @@ class FusedMLP(nn.Module):
     @classmethod
     def from_linears(
         cls,
-        fc1: Layer | tuple[Layer, Layer],
+        fc1: nn.Module | tuple[nn.Module, nn.Module],
         activation: str,
-        fc2: Layer,
+        fc2: nn.Module,
         p: float = 0.0,
         p_out: float = 0.0,
         *,
         names: Optional[Sequence[str]] = None,
-    ) -> "FusedMLP":
+    ) -> FusedMLP:
         """The block over existing linear layers (``nn.Linear``, Hugging Face's ``Conv1D``, a
         ``FusedLinear`` without activation or dropout), adopted by reference: the same modules, hence
         the same Parameters, registered under ``names`` in that order (default fc1, fc2; for a (gate,
@@ -324,7 +321,9 @@ class FusedMLP(nn.Module):
             if gate.weight.shape != up.weight.shape or (gate.bias is None) != (up.bias is None):
                 raise ValueError(f"{names[0]} and {names[1]} must have one shape, and biases both or neither")
         elif activation in GATES:
-            f_in //= 2  # the stacked [gate; up]
+            if f_in % 2:
+                raise ValueError(f"{names[0]} must stack [gate; up] for {activation!r}: got {f_in} outputs")
+            f_in //= 2
         if f_in != f:
             raise ValueError(f"{names[-1]} takes {f} features; the activation gives {f_in}")
         self.in_features, self.hidden_features, self.out_features = n_in, f, n_out

@@ -1,33 +1,40 @@
-"""``dispatch.patch(model)``: swap Linear -> activation (-> dropout) runs in MLP blocks for fused modules.
+"""``dispatch.patch(model)``: swap MLP blocks and Linear -> activation (-> dropout) runs for fused modules.
 
-Two rewrites, both exactly the original function (dropout masks aside):
+Three rewrites, each exactly the original function (dropout masks aside):
 
-* Linear + activation (+ Dropout): one ``FusedLinear(activation=..., dropout=p)`` where the Linear was,
-  ``nn.Identity`` where the activation and the dropout were. Without dropout (or p = 0, or in eval
-  mode) bias and activation are the matmul's epilogue; in training with p > 0 the GEMM runs without
-  the bias, then bias, activation and dropout in one pass. Backward regenerates the mask instead of
-  keeping nn.Dropout's (one byte per element) but keeps that pass's input, which stands in for the
+* A whole MLP block, Linear -> activation (or a gate) (-> Dropout) -> Linear (-> Dropout): one
+  ``FusedMLP`` where the block was, over the block's own linear layers (``dispatch/patch_mlp.py``).
+  Blocks: Hugging Face's GPT-2, ViT, LLaMA, Mistral and Qwen2 MLPs by class (the gated ones, act(gate(x))
+  * up(x), as swiglu/geglu/geglu_tanh/reglu over the (gate, up) pair), and an ``nn.Sequential`` that is
+  exactly Linear, activation, [Dropout], Linear, [Dropout].
+* Linear + activation (+ Dropout), elsewhere: one ``FusedLinear(activation=..., dropout=p)`` where the
+  Linear was, ``nn.Identity`` where the activation and the dropout were. Without dropout (or p = 0, or
+  in eval mode) bias and activation are the matmul's epilogue; in training with p > 0 the GEMM runs
+  without the bias, then bias, activation and dropout in one pass. Backward regenerates the mask instead
+  of keeping nn.Dropout's (one byte per element) but keeps that pass's input, which stands in for the
   pre-activation autograd keeps anyway.
-* Linear + Dropout(p > 0), no activation between (GPT-2's c_proj, BERT's output): ``FusedLinear``
-  keeps the bias (the GEMM's epilogue), then ``FusedBiasActDropout(identity, p, bias=False)``; in
-  bf16 it keeps one byte per element more than nn.Dropout's mask. Under ``torch.compile`` the graph
-  is then the original's. ``patch(model, bias_in_linear=False)`` moves that bias into the dropout's
-  pass instead, as for runs with an activation: one ``FusedLinear(identity, dropout=p)``.
+* Linear + Dropout(p > 0), no activation between (BERT's output): ``FusedLinear`` keeps the bias (the
+  GEMM's epilogue), then ``FusedBiasActDropout(identity, p, bias=False)``; in bf16 it keeps one byte
+  per element more than nn.Dropout's mask. Under ``torch.compile`` the graph is then the original's.
+  ``patch(model, bias_in_linear=False)`` moves that bias into the dropout's pass instead, as for runs
+  with an activation: one ``FusedLinear(identity, dropout=p)``.
 
-Where it looks: Hugging Face blocks by class (``_HF_BLOCKS``: GPT-2's MLP, BERT's intermediate and output
-blocks), and every ``nn.Sequential`` (Linear, then a known activation and/or ``nn.Dropout``). Hugging
-Face is never imported: blocks are recognized by class name and module. Gated MLPs (LLaMA's
-gate_proj/up_proj/down_proj, T5's wi_0/wi_1/wo) have no fused form yet: the report lists them as left
-alone. The modules keep their attribute names (an ``nn.Sequential`` keeps its positions: the fused module
-where the Linear was, ``nn.Identity`` where it replaced one), so the blocks' own ``forward`` runs
-unchanged. Parameters are reused, not copied (an optimizer built before patching still holds them):
-GPT-2's ``Conv1D`` weights, stored (in, out), keep that layout in ``FusedLinear(transposed=True)``, so
-the GEMMs read the original operands.
+Where it looks: Hugging Face blocks by class (``patch_mlp._HF_MLPS`` for whole blocks; ``_HF_BLOCKS``
+for runs: BERT's intermediate and output blocks, whose MLP spans two modules, and GPT-2's and ViT's MLP
+where the whole block cannot be fused), and every ``nn.Sequential`` (Linear, then a known activation
+and/or ``nn.Dropout``). Hugging Face is never imported: blocks are recognized by class name and module.
+Gated MLPs of other classes (T5's wi_0/wi_1/wo, a hand-written one with LLaMA's names) are listed in the
+report as left alone: patch does not know their forward. The per-linear rewrites keep the modules'
+attribute names (an ``nn.Sequential`` keeps its positions: the fused module where the Linear was,
+``nn.Identity`` where it replaced one), so the blocks' own ``forward`` runs unchanged. Parameters are
+reused, not copied (an optimizer built before patching still holds them): ``Conv1D`` weights, stored
+(in, out), keep that layout (``transposed=True``), so the GEMMs read the original operands.
 
-Each parameter stays on the module where the Linear was, so ``named_parameters()``, the state_dict and
-an optimizer's groups built from names all call it what the original did (``0.bias``), and checkpoints
-load both ways with ``strict=True``. Where the bias runs in the dropout's pass, a hook on the block
-also loads a ``<dropout>.bias`` entry as ``<linear>.bias``.
+Each parameter keeps its name, so ``named_parameters()``, the state_dict and an optimizer's groups built
+from names all call it what the original did (``0.bias``, ``mlp.c_fc.weight``), and checkpoints load both
+ways with ``strict=True``: a FusedMLP holds the block's linear layers under their attribute names; a
+FusedLinear holds its Linear's. Where the bias runs in the dropout's pass, a hook on the block also loads
+a ``<dropout>.bias`` entry as ``<linear>.bias``.
 """
 
 from __future__ import annotations
@@ -42,9 +49,11 @@ from dispatch import patch_mlp
 from dispatch.nn import FusedBiasActDropout, FusedLinear, FusedMLP, is_conv1d
 from dispatch.patch_mlp import activation_name, describe_linear, features, is_activation_module, is_linear
 
-# Hugging Face block class -> the (linear, activation, dropout) attribute runs its forward calls in order.
+# Hugging Face block class -> the (linear, activation, dropout) attribute runs its forward calls in order;
+# for GPT2MLP and ViTMLP only where the whole block cannot be one FusedMLP (patch_mlp._HF_MLPS).
 _HF_BLOCKS: dict[str, tuple[tuple[str, Optional[str], Optional[str]], ...]] = {
     "GPT2MLP": (("c_fc", "act", None), ("c_proj", None, "dropout")),
+    "ViTMLP": (("fc1", "activation_fn", None),),
     "BertIntermediate": (("dense", "intermediate_act_fn", None),),
     "BertOutput": (("dense", None, "dropout"),),  # then LayerNorm(h + residual), left alone
 }
@@ -202,28 +211,38 @@ def _sequential_runs(seq: nn.Sequential) -> list[_Run]:
     return runs
 
 
-def patch(model: nn.Module, *, bias_in_linear: bool = True, linear_dropout: bool = True) -> PatchReport:
-    """Replaces, in place, the Linear -> activation (-> dropout) runs of ``model``'s MLP blocks with
-    ``FusedLinear`` / ``FusedBiasActDropout`` and returns a report (print it) of what changed where.
+def patch(
+    model: nn.Module, *, bias_in_linear: bool = True, linear_dropout: bool = True, mlp_blocks: bool = True
+) -> PatchReport:
+    """Replaces, in place, ``model``'s MLP blocks with ``FusedMLP`` and its other Linear -> activation
+    (-> dropout) runs with ``FusedLinear`` / ``FusedBiasActDropout``, and returns a report (print it) of
+    what became what where.
 
-    Recognized: Hugging Face ``GPT2MLP``, ``BertIntermediate``, ``BertOutput``, and any ``nn.Sequential``
-    holding Linear, then a known activation and/or ``nn.Dropout``. Activations: nn.ReLU, nn.GELU (both
-    approximations), nn.SiLU, nn.LeakyReLU(0.01), and Hugging Face's gelu, gelu_new, gelu_pytorch_tanh,
-    gelu_fast, relu2 (squared_relu), silu. With dropout off (``model.eval()`` or p = 0) the patched model
-    computes the same function as before, up to rounding in the model's dtype. Gated MLPs (LLaMA's,
-    T5's) and runs it cannot fuse are listed in the report as left alone, with the reason.
+    Recognized: Hugging Face ``GPT2MLP``, ``ViTMLP``, ``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP`` (each one
+    ``FusedMLP``), ``BertIntermediate``, ``BertOutput``, and any ``nn.Sequential`` holding Linear, then a
+    known activation and/or ``nn.Dropout`` (one ``FusedMLP`` where the Sequential is exactly one MLP and
+    not the model itself). Activations: nn.ReLU, nn.GELU (both approximations), nn.SiLU,
+    nn.LeakyReLU(0.01), and Hugging Face's gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, relu2
+    (squared_relu), silu; as a gate silu, gelu, gelu_tanh, relu. With dropout off (``model.eval()`` or
+    p = 0) the patched model computes the same function as before, up to rounding in the model's dtype.
+    Gated MLPs of other classes (T5's) and runs it cannot fuse are listed in the report as left alone,
+    with the reason.
 
-    ``bias_in_linear`` (default True): a Linear -> Dropout run with no activation between (GPT-2's
-    c_proj, BERT's output) keeps its bias in the linear (a GEMM epilogue) and the dropout op gets
-    none. Under torch.compile the patched graph then matches the original's: compiled patched GPT-2
-    ran at 1.000x and 1.0035x the compiled original this way, at 0.991-0.993x in four runs with the
-    bias moved into the dropout's pass (``bias_in_linear=False``, where inductor adds it in a kernel
-    of its own); in eager mode the two forms measured alike within the run-to-run spread (H200,
-    2026-11-30; benchmarks/PERF.md).
+    ``bias_in_linear`` and ``linear_dropout`` apply to per-linear runs only. ``bias_in_linear`` (default
+    True): a Linear -> Dropout run with no activation between (BERT's output) keeps its bias in the
+    linear (a GEMM epilogue) and the dropout op gets none. Under torch.compile the patched graph then
+    matches the original's: compiled GPT-2 with its c_proj -> dropout run patched this way ran at 1.000x
+    and 1.0035x the compiled original, at 0.991-0.993x in four runs with the bias moved into the
+    dropout's pass (``bias_in_linear=False``, where inductor adds it in a kernel of its own); in eager
+    mode the two forms measured alike within the run-to-run spread (H200, 2026-11-30;
+    benchmarks/PERF.md).
 
     ``linear_dropout=False`` leaves such runs (Linear -> Dropout, no activation) alone: their fusion
     saves one small elementwise pass on the GPU but adds host time (two op dispatches for one
     native dropout) and, in bf16, keeps a byte per element more than nn.Dropout's mask.
+
+    ``mlp_blocks=False`` rewrites no whole block: GPT-2's and ViT's MLPs and Sequential MLPs are fused
+    per linear, gated MLPs are left alone.
 
     Either way every parameter keeps the original's name, in ``named_parameters()`` and the state_dict
     (see the module docstring): checkpoints of the original load into the patched model and back, with
@@ -232,18 +251,57 @@ def patch(model: nn.Module, *, bias_in_linear: bool = True, linear_dropout: bool
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
+    places = _places(model)
     for path, module in list(model.named_modules()):
+        if isinstance(module, FusedMLP):
+            continue
+        why = None  # why a whole MLP block was not made one FusedMLP
+        block = patch_mlp.hf_block(module)
+        if block is None and isinstance(module, nn.Sequential):
+            block = patch_mlp.sequential_block(module)
+        if block is not None:
+            why = _fuse_block(module, path, block, places, report) if mlp_blocks else _NO_BLOCKS
+            if why is None:
+                continue
         kind = type(module)
-        gated = _gated_mlp(module)
-        if gated is not None:
-            report.skipped.append((path, gated))
-        elif kind.__name__ in _HF_BLOCKS and kind.__module__.startswith("transformers."):
+        if kind.__name__ in _HF_BLOCKS and kind.__module__.startswith("transformers."):
             for run in _HF_BLOCKS[kind.__name__]:
                 _fuse(module, path, _Run(*run), report, bias_in_linear, linear_dropout)
         elif isinstance(module, nn.Sequential):
             for run in _sequential_runs(module):
                 _fuse(module, path, run, report, bias_in_linear, linear_dropout)
+        elif why is not None or (why := patch_mlp.gated_left_alone(module)) is not None:
+            report.skipped.append((path, why))
     return report
+
+
+_NO_BLOCKS = "a whole MLP block: left alone (mlp_blocks=False)"
+
+
+def _places(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(module) -> every (parent, attribute name) that holds it; the model itself has none."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in model.modules():
+        for name, child in parent._modules.items():
+            if child is not None:
+                places.setdefault(id(child), []).append((parent, name))
+    return places
+
+
+def _fuse_block(
+    module: nn.Module, path: str, block: patch_mlp.Block, places: dict, report: PatchReport
+) -> Optional[str]:
+    """Puts one FusedMLP over ``module``'s layers in its place, or says why not."""
+    if id(module) not in places:
+        return "the model is this MLP block: no parent to hold a FusedMLP (FusedMLP.from_linears builds one)"
+    fused = patch_mlp.build(module, block)
+    if isinstance(fused, str):
+        return fused
+    for parent, name in places[id(module)]:
+        setattr(parent, name, fused)
+    before, after = patch_mlp.describe(module, block, fused)
+    report.replaced.append(Replacement(path, type(module).__name__, before, after))
+    return None
 
 
 __all__ = ["PatchReport", "Replacement", "activation_name", "patch"]

@@ -162,7 +162,10 @@ def build(block: nn.Module, spec: Block) -> FusedMLP | str:
         return f"its parameters differ in dtype or device, {sorted(map(str, kinds))}: one op needs one"
     p, p_out = (0.0 if drop is None else float(drop.p) for drop in drops)
     fc1 = layers[0] if len(layers) == 2 else tuple(layers[:2])
-    fused = FusedMLP.from_linears(fc1, activation, layers[-1], p, p_out, names=(*spec.inner, spec.out))
+    try:
+        fused = FusedMLP.from_linears(fc1, activation, layers[-1], p, p_out, names=(*spec.inner, spec.out))
+    except ValueError as error:  # layers whose shapes do not chain
+        return str(error)
     return fused.train(block.training)
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dispatch import patch
-from dispatch.nn import FusedBiasActDropout, FusedLinear
+from dispatch.nn import FusedBiasActDropout, FusedLinear, FusedMLP
 from dispatch.patch import activation_name
 from dispatch.contracts.tolerances import ATOL, RTOL
 
@@ -193,19 +193,16 @@ def test_gpt2_eval_same_logits(activation):
     params = [id(p) for p in patched.parameters()]
     report = patch(patched)
     assert [id(p) for p in patched.parameters()] == params  # reused, none copied: an optimizer keeps them
-    assert [(r.path, r.block) for r in report.replaced] == [
-        (f"transformer.h.{i}.mlp", "GPT2MLP") for i in (0, 0, 1, 1)
-    ]
+    assert [(r.path, r.block) for r in report.replaced] == [("transformer.h.0.mlp", "GPT2MLP"),
+                                                            ("transformer.h.1.mlp", "GPT2MLP")]  # fmt: skip
     assert not report.skipped
-    mlp = patched.transformer.h[0].mlp
-    fused_act = activation_name(original.transformer.h[0].mlp.act)
-    assert isinstance(mlp.c_fc, FusedLinear) and mlp.c_fc.activation == fused_act
-    # c_proj -> dropout: the bias stays in the GEMM (patch's default bias_in_linear=True)
-    assert isinstance(mlp.c_proj, FusedLinear) and mlp.c_proj.bias is not None
-    assert isinstance(mlp.dropout, FusedBiasActDropout) and mlp.dropout.p == 0.1 and mlp.dropout.bias is None
-    # Conv1D stores (in, out): the fused module keeps that layout, the same values, the same state_dict keys
-    assert mlp.c_fc.transposed and mlp.c_proj.transposed
-    torch.testing.assert_close(mlp.c_fc.weight, original.transformer.h[0].mlp.c_fc.weight, rtol=0, atol=0)
+    mlp, before = patched.transformer.h[0].mlp, original.transformer.h[0].mlp
+    fused_act = activation_name(before.act)
+    assert f"FusedMLP({fused_act}, p_out=0.1)" in str(report)
+    # the whole block is one FusedMLP over the block's own Conv1D layers, under their names
+    assert isinstance(mlp, FusedMLP) and mlp.activation == fused_act and mlp.p_out == 0.1 and mlp.p == 0.0
+    assert mlp.transposed and type(mlp.c_fc) is type(before.c_fc) and type(mlp.c_proj) is type(before.c_proj)
+    torch.testing.assert_close(mlp.c_fc.weight, before.c_fc.weight, rtol=0, atol=0)
     assert {k: v.shape for k, v in patched.state_dict().items()} == {
         k: v.shape for k, v in original.state_dict().items()
     }
@@ -218,8 +215,7 @@ def test_gpt2_training_without_dropout_same_loss_and_gradients():
     original = _gpt2(pdrop=0.0).train()
     patched = copy.deepcopy(original)
     report = patch(patched)
-    assert len(report) == 2  # c_fc + act per layer; c_proj + Dropout(0) has nothing to fuse
-    assert "nothing to fuse" in str(report)
+    assert len(report) == 2 and "FusedMLP(gelu_tanh)" in str(report)  # one block per layer, p_out = 0
     ids = torch.randint(0, 128, (2, 24))
     losses = []
     for model in (original, patched):
@@ -228,14 +224,15 @@ def test_gpt2_training_without_dropout_same_loss_and_gradients():
         losses.append(loss)
     _assert_same(losses[1].detach(), losses[0].detach())
     for i in range(2):
-        a, b = original.transformer.h[i].mlp.c_fc, patched.transformer.h[i].mlp.c_fc
-        _assert_same(b.weight.grad, a.weight.grad)
-        _assert_same(b.bias.grad, a.bias.grad)
+        for name in ("c_fc", "c_proj"):
+            a, b = (getattr(m.transformer.h[i].mlp, name) for m in (original, patched))
+            _assert_same(b.weight.grad, a.weight.grad)
+            _assert_same(b.bias.grad, a.bias.grad)
 
 
 def test_gpt2_trains_with_dropout():
     model = _gpt2().train()
-    assert len(patch(model)) == 4
+    assert len(patch(model)) == 2
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 128, (2, 24))
     losses = []

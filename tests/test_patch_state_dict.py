@@ -3,7 +3,8 @@ tensors, so the original's checkpoint loads into the patched model and the patch
 original, both with strict=True, and the two then compute the same function. Every parameter keeps
 one name: ``named_parameters()`` and the state_dict call it what the original did.
 
-Every form ``patch`` rewrites is covered: Linear + activation (fused into the GEMM), Linear +
+Every form ``patch`` rewrites is covered: a whole MLP block (one FusedMLP over the block's own layers,
+GPT-2's, and a Sequential that is exactly an MLP), Linear + activation (fused into the GEMM), Linear +
 activation + Dropout (bias, activation and dropout in one pass after the GEMM), Linear + Dropout (bias
 in the GEMM, or in the dropout's pass with ``bias_in_linear=False``, or left alone with
 ``linear_dropout=False``), and runs with nothing to fuse. Hugging Face blocks are checked on lookalikes
@@ -385,18 +386,17 @@ class _BertLike(nn.Module):
 def test_lookalikes_are_recognized_as_hugging_face():
     model = _GPT2Like()
     report = patch(model, bias_in_linear=False)
-    assert [(r.path, r.block) for r in report.replaced] == [(f"h.{i}.mlp", "GPT2MLP") for i in (0, 0, 1, 1)]
+    assert [(r.path, r.block) for r in report.replaced] == [(f"h.{i}.mlp", "GPT2MLP") for i in (0, 1)]
     mlp = model.h[0]["mlp"]
-    assert mlp.c_fc.transposed and mlp.c_fc.activation == "gelu_tanh" and mlp.c_proj.bias is not None
-    assert mlp.c_proj.dropout == 0.1 and type(mlp.dropout) is nn.Identity
+    assert type(mlp).__name__ == "FusedMLP" and mlp.transposed and mlp.activation == "gelu_tanh"
+    assert mlp.p_out == 0.1 and type(mlp.c_fc) is _Conv1D and type(mlp.c_proj) is _Conv1D
     report = patch(_BertLike(), bias_in_linear=False)
     assert [r.block for r in report.replaced] == ["BertIntermediate", "BertOutput"] * 2
 
 
 @pytest.mark.parametrize("option", OPTIONS)
 def test_gpt2_lookalike_state_dict_round_trip(option):
-    replaced = 2 if option == "no_linear_dropout" else 4
-    _check_round_trip(_GPT2Like, OPTIONS[option], lambda: torch.randn(2, 7, 32), replaced)
+    _check_round_trip(_GPT2Like, OPTIONS[option], lambda: torch.randn(2, 7, 32), 2)  # one FusedMLP a layer
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -440,8 +440,7 @@ def _real_bert():
 @pytest.mark.parametrize("option", OPTIONS)
 def test_real_gpt2_state_dict_round_trip(option):
     _real_gpt2()  # skips without transformers
-    replaced = 2 if option == "no_linear_dropout" else 4
-    _check_round_trip(_real_gpt2, OPTIONS[option], lambda: torch.randint(0, 128, (2, 24)), replaced)
+    _check_round_trip(_real_gpt2, OPTIONS[option], lambda: torch.randint(0, 128, (2, 24)), 2)
 
 
 @pytest.mark.parametrize("option", OPTIONS)
