@@ -8,18 +8,21 @@ without CUDA a few small float32 shapes (a smoke run of the script and the CPU b
 Modes: forward (under no_grad), backward (autograd.grad of x and bias from a kept graph),
 forward+backward. Entries:
   <backend>  each registered backend that serves the call, fused_bias_act_dropout(backend=...);
-             the others are listed with the registry's reason
+             the others are listed with the registry's reason (the pytorch backend's kernels are
+             the pytorch entry's composite: timed once, as that entry)
   dispatch   the public op choosing for itself (its pick in the "picked" column)
-  pytorch    F.dropout(act(x + b), p): the composite a user writes, under PyTorch's autograd
+  pytorch    F.dropout(act(x + b), p): the composite a user writes, under PyTorch's autograd, called
+             directly (``dispatch.ops.bias_act_dropout.baseline``)
   compile    torch.compile(dynamic=True) of that composite
   copy       dst.copy_(x) of the same tensor in the same run: the bandwidth ceiling
 Minimum bytes (s = itemsize): forward 2MNs (read x, write y), backward 3MNs (read grad_y and x,
 write grad_x; the mask is regenerated), forward+backward 5MNs. Per entry: GPU time (CUDA graph) and
 wall time (do_bench; perf_counter on the CPU), GB/s and % of the copy's (GPU time), speedups vs
 pytorch and compile on both clocks. Outputs and gradients are checked against the eager backend's
-before timing (same mask: every backend follows dispatch.contracts.rng's spec; pytorch and compile draw their
-own, so they are checked at p = 0 only). nvfuser compiles per shape:
-it runs on the FOCUS rows only unless --all-backends. A time budget stops new rows once spent.
+before timing (same mask: every backend but pytorch follows dispatch.contracts.rng's spec; pytorch,
+compile, and dispatch where it picks a backend with torch's masks draw their own, so they are checked
+at p = 0 only). nvfuser compiles per shape: it runs on the FOCUS rows only unless --all-backends. A
+time budget stops new rows once spent.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from typing import Callable, Optional
 
 import common
 import torch
-import torch.nn.functional as F
 
 from dispatch import timing
 
@@ -94,10 +96,10 @@ def _op(backend: Optional[str], activation: str, p: float) -> Callable:
 
 
 def _pytorch(activation: str, p: float) -> Callable:
-    from dispatch.contracts.activations import ACTIVATIONS
+    """The composite, torch's RNG (the generator is ignored: F.dropout takes none)."""
+    from dispatch.ops.bias_act_dropout import baseline
 
-    act = ACTIVATIONS[activation].forward
-    return lambda x, b, gen=None: F.dropout(act(x + b), p, training=True)
+    return lambda x, b, gen=None: baseline(x, b, activation, p)
 
 
 @functools.cache
@@ -144,6 +146,8 @@ def entries(row: dict, x, b, names: list[str], focus: bool) -> dict[str, Callabl
     ok, why = common.available(call, names)
     out: dict[str, Callable] = {}
     for name in ok:
+        if name == "pytorch":  # its kernels are the composite: the pytorch entry below
+            continue
         if name in PER_SHAPE and not focus:
             row[f"skip:{name}"] = "compiles per shape: FOCUS rows only (--all-backends)"
         else:
@@ -160,6 +164,8 @@ def entries(row: dict, x, b, names: list[str], focus: bool) -> dict[str, Callabl
 
 
 def measure_row(m, n, dt, act, p, mode, focus, args, names, device) -> dict:
+    from dispatch.registry import backends
+
     dtype = DTYPES[dt]
     row = dict(M=m, N=n, dtype=dt, act=act, p=p, mode=mode)
     nbytes = min_bytes(m, n, dtype.itemsize, mode)
@@ -171,12 +177,15 @@ def measure_row(m, n, dt, act, p, mode, focus, args, names, device) -> dict:
     dst = torch.empty_like(x)
     runs["copy"] = lambda: dst.copy_(x)
     reference: list = []
+    own_masks = {*common.BASELINES, *(n for n in names if backends()[n].torch_masks)}
 
     def check(name: str) -> str:
         if name == "copy":
             return ""
-        if name in common.BASELINES and p > 0:
+        if p > 0 and name in own_masks:
             return "baseline (PyTorch's own mask)"
+        if p > 0 and name == "dispatch" and row["picked"] in own_masks:
+            return f"not checked: picked {row['picked']} (PyTorch's own mask)"
         if not reference:
             reference.extend(results(fns["eager"], mode, x, b, gy))
         return (

@@ -2,16 +2,19 @@
 
 The overhead is everything the public op adds in steady state: argument checks, the reshape to 2-D,
 the cached decision and the final view. Both sides run on tiny tensors, so the time is host time:
-the direct side calls the chosen backend's op as a caller bypassing the dispatcher would (its
-``forward``, or the autograd glue when an input requires grad: fused_linear's resolved training
-function, bias_act_dropout's Function; plus the dropout draw when dropout is on). Where the op checks
-its own arguments (triton's bias_act_dropout), the public op, having checked them, calls its
-``trusted`` entry instead (``dispatch.registry.trusted``): the row's overhead is then what the
-dispatcher adds net of the check it saves. Timed with ``time.perf_counter`` over
-``--calls`` back-to-back calls, median of ``--repeats`` samples, the two sides interleaved so that
-drift hits both, and the samples of every case spread over the whole run (passes over all cases).
-This is host time: neither GPU clock applies (``dispatch.timing``'s do_bench and CUDA-graph clocks
-time device kernels, and the tiny kernels here finish before the host launches the next).
+the direct side runs the chosen backend's ``Kernels`` (``Backend.kernels_for``) as a caller bypassing
+the dispatcher would, choosing once what ``dispatch.ops.<op>.runner`` chooses: ``inference`` without
+autograd; with an input that requires grad ``forward`` where ``Kernels.autograd(activation)`` says
+torch's autograd differentiates it, else the op's autograd Function around the kernels
+(``dispatch.ops.bias_act_dropout.BiasActDropout``, ``dispatch.ops.fused_linear.FusedLinear``); plus
+the dropout draw (``dispatch.contracts.rng.draw_for``) when the kernels' masks are the spec's. Both
+sides run the same kernels object, which skips the backend's own argument checks where it has them
+(triton's ``KERNELS``): the public op has checked the arguments, the direct side trusts its caller.
+Timed with ``time.perf_counter`` over ``--calls`` back-to-back calls, median of ``--repeats`` samples,
+the two sides interleaved so that drift hits both, and the samples of every case spread over the whole
+run (passes over all cases). This is host time: neither GPU clock applies (``dispatch.timing``'s
+do_bench and CUDA-graph clocks time device kernels, and the tiny kernels here finish before the host
+launches the next).
 
 Each row also gives ``paired_overhead_us``: the median of api - direct over calls timed one by one
 in adjacent pairs (``_paired_us``), the two sides in the same host state.
@@ -21,10 +24,13 @@ they read is the measurement's own offset between two identical loops, the yards
 backend's row (kernel launches and autograd make those loops ~20-40 us a call: a 5% drift of the host's
 speed between the two loops would read as 1-2 us of overhead).
 
-Rows with backend "null" isolate the overhead from kernel-time noise: a stand-in backend whose forward
-returns a preallocated tensor, chosen through ``DISPATCH_BACKEND`` so the steady-state path (context
-variable, environment setting, cache) is the one every call takes. CPU runs use one intra-op thread:
-a 256-element GELU took 0.1-0.8 ms with two threads on a busy 2-core machine, drowning microseconds.
+Rows with backend "null" isolate the overhead from kernel-time noise: a stand-in backend whose kernels
+return a preallocated tensor, chosen through ``DISPATCH_BACKEND`` so the steady-state path (context
+variable, environment setting, cache) is the one every call takes. The real backends' rows are the
+dispatcher's own pick, and the pytorch backend (the composite a user writes, torch's dropout RNG)
+where the pick is another, requested through ``DISPATCH_BACKEND`` the same way. CPU runs use one
+intra-op thread: a 256-element GELU took 0.1-0.8 ms with two threads on a busy 2-core machine,
+drowning microseconds.
 
     python benchmarks/bench_dispatch_overhead.py [--out DIR] [--quick] [--calls N] [--repeats R]
 """
@@ -34,20 +40,23 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import common
 import torch
 
 from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear, timing
 from dispatch.contracts import rng as dropout_rng
-from dispatch.autograd import BiasActDropout, fused_linear_training
-from dispatch.registry import Backend, backends, fused_linear_inference, register
+from dispatch.contracts.backend import Backend, Kernels
+from dispatch.ops.bias_act_dropout import BiasActDropout
+from dispatch.ops.fused_linear import FusedLinear
+from dispatch.registry import backends, get, register
 from dispatch.select import ENV_VAR, clear_cache
 
 TARGET_US = 4.0  # the budget per call over calling the backend directly
 # Tiny, so that kernels cost little next to the host work; M even: the 3-D cases view x as (2, M // 2, .)
 M, N, K = 4, 64, 64
+PYTORCH = "pytorch"  # the composite a user writes: timed where the dispatcher picks another backend
 
 
 def _per_call_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
@@ -88,24 +97,62 @@ def _summary(samples: list[tuple[float, float]]) -> tuple[float, float, float, f
     return (*medians, statistics.median(a - d for a, d in samples), min(api_us) - min(direct_us))
 
 
-class _Preallocated:
-    """A backend op returning a preallocated output: calling it costs only Python."""
+# ----------------------------------------------------------------------------- the direct side
 
-    def __init__(self, out: torch.Tensor, with_saved: bool):
-        self.result = (out, None) if with_saved else out
 
-    def forward(self, *args):
-        return self.result
+def _bias_act_dropout_direct(
+    kernels: Kernels, x: torch.Tensor, bias: torch.Tensor, act: str, p: float
+) -> Callable[[], object]:
+    """What ``dispatch.ops.bias_act_dropout.runner`` runs for this call, without the dispatcher."""
+    training = torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad)
+    draw = dropout_rng.draw_for
+    if not training or kernels.autograd(act):
+        run = kernels.forward if training else kernels.inference
+        if p > 0 and training and kernels.masks == "spec":
+            return lambda: run(x, bias, act, p, draw(x))
+        return lambda: run(x, bias, act, p, None)
+    apply = BiasActDropout.apply
+    if p > 0 and kernels.masks == "spec":
+        return lambda: apply(x, bias, kernels, act, p, draw(x))
+    return lambda: apply(x, bias, kernels, act, p, None)
+
+
+def _fused_linear_direct(
+    kernels: Kernels, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, act: str
+) -> Callable[[], object]:
+    """What ``dispatch.ops.fused_linear.runner`` runs for this call, without the dispatcher."""
+    if not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or bias.requires_grad)):
+        inference = kernels.inference
+        return lambda: inference(x, w, bias, act)
+    if kernels.autograd(act):
+        forward = kernels.forward
+        return lambda: forward(x, w, bias, act)[0]
+    apply = FusedLinear.apply
+    return lambda: apply(x, w, bias, kernels, act)
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def _preallocated(result: object) -> Callable[..., object]:
+    """A kernel returning a preallocated result: calling it costs only Python."""
+    return lambda *args: result
+
+
+def _no_backward(*args: object) -> object:
+    raise NotImplementedError("the null backend times forward calls only")
 
 
 def _register_null(device: torch.device) -> str:
     name = f"null-{device.type}"
     if name not in backends():
         y = torch.empty(M, N, device=device)
+        bad = Kernels(forward=_preallocated(y), backward=_no_backward, inference=_preallocated(y))
+        lin = Kernels(forward=_preallocated((y, None)), backward=_no_backward, inference=_preallocated(y))
         register(
             Backend(
                 name=name,
-                ops={"bias_act_dropout": _Preallocated(y, False), "fused_linear": _Preallocated(y, True)},
+                kernels={"bias_act_dropout": bad, "fused_linear": lin},
                 devices=frozenset({device.type}),
                 dtypes=frozenset({torch.float32}),
                 activations=frozenset(ACTIVATION_NAMES),
@@ -116,7 +163,13 @@ def _register_null(device: torch.device) -> str:
     return name
 
 
-Case = tuple[str, str, str, Callable[[], object], Callable[[], object]]  # backend, op, mode, api, direct
+class Case(NamedTuple):
+    backend: str
+    op: str
+    mode: str
+    api: Callable[[], object]
+    direct: Callable[[], object]
+    env: Optional[str]  # the DISPATCH_BACKEND it runs under (None: the caller's environment)
 
 
 def _null_cases(device: torch.device) -> list[Case]:
@@ -125,113 +178,57 @@ def _null_cases(device: torch.device) -> list[Case]:
     a caller does not know in advance; literal sizes there made the direct side ~0.6 us cheaper than
     any general caller, H200 host, 2026-12-01)."""
     null_name = _register_null(device)
-    null = backends()[null_name].ops
-    bad, lin = null["bias_act_dropout"], null["fused_linear"]
+    null = get(null_name)
+    bad, lin = null.kernels["bias_act_dropout"], null.kernels["fused_linear"]
     x, bias = torch.randn(M, N, device=device), torch.randn(N, device=device)
     x3 = x.view(2, M // 2, N)
     xk, w = torch.randn(M, K, device=device), torch.randn(N, K, device=device)
     xk3 = xk.view(2, M // 2, K)
-    # the training path: autograd glue on both sides, and the dropout draw on both sides
+    # the training path: the autograd Function on both sides, and the dropout draw on both sides
     x_grad, xk_grad = x.clone().requires_grad_(), xk.clone().requires_grad_()
     w_grad = w.clone().requires_grad_()
-    train = fused_linear_training(lin, "gelu")  # resolved once, as the dispatcher caches it
-    return [
-        (
-            null_name,
-            "bias_act_dropout",
-            "inference 2-D",
-            lambda: fused_bias_act_dropout(x, bias, "gelu"),
-            lambda: bad.forward(x, bias, "gelu", 0.0, None),
-        ),
-        (
-            null_name,
-            "bias_act_dropout",
-            "inference 3-D",
-            lambda: fused_bias_act_dropout(x3, bias, "gelu"),
-            lambda: bad.forward(x3.reshape(-1, x3.shape[-1]), bias, "gelu", 0.0, None).view_as(x3),
-        ),
-        (
-            null_name,
-            "fused_linear",
-            "inference 2-D",
-            lambda: fused_linear(xk, w, bias, "gelu"),
-            lambda: lin.forward(xk, w, bias, "gelu")[0],
-        ),
-        (
-            null_name,
-            "fused_linear",
-            "inference 3-D",
-            lambda: fused_linear(xk3, w, bias, "gelu"),
-            lambda: lin.forward(xk3.reshape(-1, xk3.shape[-1]), w, bias, "gelu")[0].view(*xk3.shape[:-1], N),
-        ),
-        (
-            null_name,
-            "bias_act_dropout",
-            "training, p=0.1",
-            lambda: fused_bias_act_dropout(x_grad, bias, "gelu", 0.1),
-            lambda: BiasActDropout.apply(x_grad, bias, bad, "gelu", 0.1, dropout_rng.draw_for(x_grad)),
-        ),
-        (
-            null_name,
-            "fused_linear",
-            "training",
-            lambda: fused_linear(xk_grad, w_grad, bias, "gelu"),
-            lambda: train(xk_grad, w_grad, bias, "gelu"),
-        ),
-    ]
+    cases = [
+        ("bias_act_dropout", "inference 2-D", lambda: fused_bias_act_dropout(x, bias, "gelu"),
+         _bias_act_dropout_direct(bad, x, bias, "gelu", 0.0)),
+        ("bias_act_dropout", "inference 3-D", lambda: fused_bias_act_dropout(x3, bias, "gelu"),
+         lambda: bad.inference(x3.reshape(-1, x3.shape[-1]), bias, "gelu", 0.0, None).view_as(x3)),
+        ("fused_linear", "inference 2-D", lambda: fused_linear(xk, w, bias, "gelu"),
+         _fused_linear_direct(lin, xk, w, bias, "gelu")),
+        ("fused_linear", "inference 3-D", lambda: fused_linear(xk3, w, bias, "gelu"),
+         lambda: lin.inference(xk3.reshape(-1, xk3.shape[-1]), w, bias, "gelu").view(*xk3.shape[:-1], N)),
+        ("bias_act_dropout", "training, p=0.1", lambda: fused_bias_act_dropout(x_grad, bias, "gelu", 0.1),
+         _bias_act_dropout_direct(bad, x_grad, bias, "gelu", 0.1)),
+        ("fused_linear", "training", lambda: fused_linear(xk_grad, w_grad, bias, "gelu"),
+         _fused_linear_direct(lin, xk_grad, w_grad, bias, "gelu")),
+    ]  # fmt: skip
+    return [Case(null_name, op, mode, api, direct, null_name) for op, mode, api, direct in cases]
 
 
-def _chosen_cases(device: torch.device) -> list[Case]:
-    """The public ops over the backend the dispatcher chooses, against that backend's impl."""
+def _real_cases(device: torch.device) -> list[Case]:
+    """The public ops over the backend the dispatcher chooses, against that backend's kernels; and
+    over the pytorch backend, requested through DISPATCH_BACKEND, where the dispatcher chooses another."""
     x, bias = torch.randn(M, N, device=device), torch.randn(N, device=device)
     x_grad = x.clone().requires_grad_()
     xk, w = torch.randn(M, K, device=device), torch.randn(N, K, device=device)
     xk_grad, w_grad = xk.clone().requires_grad_(), w.clone().requires_grad_()
-
-    def chosen(op: str, *args, **kwargs):
-        decision = explain(op, *args, **kwargs)
-        return decision.backend.name, decision.backend.ops[decision.call.op]
-
-    name, bad = chosen("fused_bias_act_dropout", x, bias, "gelu")
-    name_train, bad_train = chosen("fused_bias_act_dropout", x_grad, bias, "gelu", 0.1)
-    name_lin, lin = chosen("fused_linear", xk, w, bias, "gelu")
-    name_lin_train, lin_train = chosen("fused_linear", xk_grad, w_grad, bias, "gelu")
-    infer = fused_linear_inference(lin)  # resolved once, as the dispatcher caches them
-    train = fused_linear_training(lin_train, "gelu")
-
-    def dropout_direct():
-        return BiasActDropout.apply(x_grad, bias, bad_train, "gelu", 0.1, dropout_rng.draw_for(x_grad))
-
-    return [
-        (
-            name,
-            "bias_act_dropout",
-            "inference 2-D",
-            lambda: fused_bias_act_dropout(x, bias, "gelu"),
-            lambda: bad.forward(x, bias, "gelu", 0.0, None),
-        ),
-        (
-            name_train,
-            "bias_act_dropout",
-            "training, p=0.1",
-            lambda: fused_bias_act_dropout(x_grad, bias, "gelu", 0.1),
-            dropout_direct,
-        ),
-        (
-            name_lin,
-            "fused_linear",
-            "inference 2-D",
-            lambda: fused_linear(xk, w, bias, "gelu"),
-            lambda: infer(xk, w, bias, "gelu"),
-        ),
-        (
-            name_lin_train,
-            "fused_linear",
-            "training",
-            lambda: fused_linear(xk_grad, w_grad, bias, "gelu"),
-            lambda: train(xk_grad, w_grad, bias, "gelu"),
-        ),
-    ]
+    # (op, mode, the public op's call, its arguments for explain(), the direct side on given kernels)
+    calls = [
+        ("bias_act_dropout", "inference 2-D", lambda: fused_bias_act_dropout(x, bias, "gelu"),
+         (x, bias, "gelu"), lambda k: _bias_act_dropout_direct(k, x, bias, "gelu", 0.0)),
+        ("bias_act_dropout", "training, p=0.1", lambda: fused_bias_act_dropout(x_grad, bias, "gelu", 0.1),
+         (x_grad, bias, "gelu", 0.1), lambda k: _bias_act_dropout_direct(k, x_grad, bias, "gelu", 0.1)),
+        ("fused_linear", "inference 2-D", lambda: fused_linear(xk, w, bias, "gelu"),
+         (xk, w, bias, "gelu"), lambda k: _fused_linear_direct(k, xk, w, bias, "gelu")),
+        ("fused_linear", "training", lambda: fused_linear(xk_grad, w_grad, bias, "gelu"),
+         (xk_grad, w_grad, bias, "gelu"), lambda k: _fused_linear_direct(k, xk_grad, w_grad, bias, "gelu")),
+    ]  # fmt: skip
+    chosen, plain = [], []
+    for op, mode, api, args, direct in calls:
+        picked = explain(op, *args).backend  # resolved once, as the dispatcher caches it
+        chosen.append(Case(picked.name, op, mode, api, direct(picked.kernels_for(op)), None))
+        if picked.name != PYTORCH:
+            plain.append(Case(PYTORCH, op, mode, api, direct(get(PYTORCH).kernels_for(op)), PYTORCH))
+    return chosen + plain
 
 
 CONTROL = " (A/A)"
@@ -240,16 +237,16 @@ CONTROL = " (A/A)"
 def _controls(cases: list[Case]) -> list[Case]:
     """Each case with its direct side on both sides: an A/A control, whose "overhead" is what the
     measurement itself reads between two identical loops (their order, the host's drift)."""
-    return [(backend, op, mode + CONTROL, direct, direct) for backend, op, mode, _, direct in cases]
+    return [c._replace(mode=c.mode + CONTROL, api=c.direct) for c in cases]
 
 
 @contextlib.contextmanager
 def _env_for(case: Case) -> Iterator[None]:
-    """The null backend is chosen through DISPATCH_BACKEND, read by clear_cache()."""
-    backend = case[0]
+    """The null backend, and pytorch where the dispatcher would pick another, are chosen through
+    DISPATCH_BACKEND, read by clear_cache()."""
     before = os.environ.get(ENV_VAR)
-    if backend.startswith("null"):
-        os.environ[ENV_VAR] = backend
+    if case.env is not None:
+        os.environ[ENV_VAR] = case.env
     clear_cache()
     try:
         yield
@@ -275,7 +272,7 @@ def main() -> None:
     cases = [
         (device, case)
         for device in devices
-        for case in _null_cases(device) + _chosen_cases(device) + _controls(_chosen_cases(device))
+        for case in _null_cases(device) + _real_cases(device) + _controls(_real_cases(device))
     ]
     # Passes over every case, so each case's samples spread over the whole run: the H200 host swings
     # between fast and slow phases for seconds (2x on these microseconds), which used to land on
@@ -285,26 +282,25 @@ def main() -> None:
     for repeat in range(args.repeats):
         for i, (device, case) in enumerate(cases):
             with _env_for(case):
-                samples[i].append(_sample(case[3], case[4], args.calls, device, repeat % 2 == 0))
-                paired[i] += _paired_us(case[3], case[4], args.calls // 4)
+                samples[i].append(_sample(case.api, case.direct, args.calls, device, repeat % 2 == 0))
+                paired[i] += _paired_us(case.api, case.direct, args.calls // 4)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
     rows = []
     for (device, case), got, diffs in zip(cases, samples, paired):
         api_us, direct_us, overhead_us, best_us = _summary(got)
-        backend, op, mode = case[:3]
         rows.append(
             {
                 "device": device.type,
-                "backend": backend,
-                "op": op,
-                "mode": mode,
+                "backend": case.backend,
+                "op": case.op,
+                "mode": case.mode,
                 "api_us": round(api_us, 2),
                 "direct_us": round(direct_us, 2),
                 "overhead_us": round(overhead_us, 2),
                 "min_overhead_us": round(best_us, 2),
                 "paired_overhead_us": round(statistics.median(diffs), 2),
-                "ok": None if mode.endswith(CONTROL) else overhead_us <= TARGET_US,
+                "ok": None if case.mode.endswith(CONTROL) else overhead_us <= TARGET_US,
             }
         )
     common.write(args, "dispatch_overhead", {"rows": rows})

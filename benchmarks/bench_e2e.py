@@ -227,9 +227,7 @@ def duel(pair: tuple[str, str], config, state, batches, args, device) -> dict:
     apart: on this machine the patched step alone moved between 46.5 and 53.8 ms from call to call,
     and the compile / compile+patched ratio between 0.9996x and 1.0035x, for the same graphs.
 
-    Returns each config's median step ms, the median of the per-pair ratios (second / first: < 1
-    means the second is faster) with a distribution-free 95% interval for it (order statistics of the
-    n ratios, ranks n/2 -+ 0.98 sqrt(n)), and how often the second was faster."""
+    Returns the pair and ``paired``'s summary of the two configs' step times."""
     cuda = device.type == "cuda"
     options = dict(bias_in_linear=not args.bias_in_dropout, linear_dropout=not args.no_linear_dropout)
     runs = []
@@ -252,20 +250,27 @@ def duel(pair: tuple[str, str], config, state, batches, args, device) -> dict:
                     marks[k].append((start, timing.stamp(device)))
     timing.synchronize(device)
     ms = [[timing.elapsed_ms(a, b) for a, b in m] for m in marks]
-    ratios = sorted(b / a for a, b in zip(*ms))
-    n = len(ratios)
-    half = 0.98 * n**0.5
-    lo, hi = ratios[max(0, int(n / 2 - half))], ratios[min(n - 1, int(n / 2 + half))]
     del runs
     if any(name.startswith("compile") for name in pair):
         torch._dynamo.reset()
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+    return {"pair": list(pair), **paired(ms[0], ms[1])}
+
+
+def paired(first_ms: list[float], second_ms: list[float]) -> dict:
+    """Two configs' step milliseconds, stepped in turn: steps, each one's median, the median of the
+    per-pair ratios (second / first: < 1 means the second is faster) with a distribution-free 95%
+    interval (order statistics of the n ratios, ranks n/2 -+ 0.98 sqrt(n)), and how often the second
+    was faster."""
+    ratios = sorted(b / a for a, b in zip(first_ms, second_ms))
+    n = len(ratios)
+    half = 0.98 * n**0.5
+    lo, hi = ratios[max(0, int(n / 2 - half))], ratios[min(n - 1, int(n / 2 + half))]
     return {
-        "pair": list(pair),
         "steps": n,
-        "step_ms": [sorted(m)[len(m) // 2] for m in ms],
+        "step_ms": [sorted(m)[len(m) // 2] for m in (first_ms, second_ms)],
         "ratio": ratios[n // 2],
         "ratio_95": [lo, hi],
         "second_faster": sum(r < 1.0 for r in ratios) / n,
@@ -303,7 +308,10 @@ def _moving_mean(values: list[float], k: int) -> list[float]:
     return [sum(values[i - k : i]) / k for i in range(k, len(values) + 1)]
 
 
-def plot(rows, entropy, path) -> bool:
+GPT2_TITLE = "GPT-2 training, bf16 autocast, dropout 0.1: eager vs dispatch.patch vs torch.compile"
+
+
+def plot(rows, entropy, path, title: str = GPT2_TITLE) -> bool:
     """Left: the loss curves overlaid. Right: each config's moving mean relative to eager's, in %."""
     if not common.have_matplotlib():
         return False
@@ -329,7 +337,7 @@ def plot(rows, entropy, path) -> bool:
     rel.set(xlabel="step", ylabel="% vs eager", title=f"{PARITY_TAIL}-step moving mean relative to eager")
     for ax in (curves, rel):
         ax.legend()
-    fig.suptitle("GPT-2 training, bf16 autocast, dropout 0.1: eager vs dispatch.patch vs torch.compile")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

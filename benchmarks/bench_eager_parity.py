@@ -5,11 +5,12 @@
 The eager backend launches PyTorch's own kernels (backends/eager/fused_linear.py), so whatever
 separates it from ``act(F.linear(x, w, b))`` is the dispatcher's host cost, or the clock's noise.
 Per point (projection, tokens M, activation, mode), four entries timed in interleaved rounds:
-  pytorch       act(F.linear(x, w, b)), the composite a user writes
+  pytorch       act(F.linear(x, w, b)), the composite a user writes (``dispatch.ops.fused_linear.baseline``)
   pytorch_aa    the same composite again: an A/A control, what the clock reads between identical work
   eager         dispatch.fused_linear(x, w, b, act, backend="eager"), through the dispatcher
-  eager_direct  the eager backend without the dispatcher: ``forward(...)[0]`` (inference), its
-                ``differentiable(act)`` under torch's autograd (training)
+  eager_direct  the eager backend's kernels without the dispatcher, as ``dispatch.ops.fused_linear.runner``
+                runs them: ``inference`` (inference); ``forward`` under torch's autograd where
+                ``Kernels.autograd(act)`` says so, else the op's ``FusedLinear`` Function (training)
 Modes: inference (no_grad) and training (forward + backward of x, w, b, a fixed grad_y). Clocks: GPU
 (CUDA graph), wall (do_bench), host per call (behind a sleep kernel); on the CPU wall (perf_counter)
 only. Ratios entry / pytorch (> 1: slower). Eager's output and gradients are checked against pytorch's
@@ -25,12 +26,10 @@ from collections.abc import Callable
 
 import common
 import torch
-import torch.nn.functional as F
 
 from dispatch import fused_linear, timing
-from dispatch.autograd import fused_linear_training
-from dispatch.backends.eager import fused_linear as eager_impl
-from dispatch.contracts.activations import ACTIVATIONS
+from dispatch.ops.fused_linear import FusedLinear, baseline
+from dispatch.registry import get
 
 # projection -> (N = out_features, K = in_features)
 SHAPES = {"gpt2.up": (3072, 768), "gpt2.down": (768, 3072), "llama-2-7b.up": (11008, 4096),
@@ -63,20 +62,24 @@ def grid(device: torch.device, quick: bool) -> list[tuple[str, int, str, str]]:
     return [(s, m, a, mode) for s, m, a, nk in pts if m * nk <= MAX_MNK for mode in MODES]
 
 
+def eager_direct(act: str, training: bool) -> Callable:
+    """The eager backend's kernels as ``dispatch.ops.fused_linear.runner`` runs them, no dispatcher."""
+    kernels = get("eager").kernels_for("fused_linear")
+    inference, forward, apply = kernels.inference, kernels.forward, FusedLinear.apply
+    if not training:
+        return lambda x, w, b: inference(x, w, b, act)
+    if kernels.autograd(act):  # PyTorch's kernels both ways: torch's autograd differentiates forward
+        return lambda x, w, b: forward(x, w, b, act)[0]
+    return lambda x, w, b: apply(x, w, b, kernels, act)
+
+
 def entries(act: str, training: bool) -> dict[str, Callable]:
     """Each entry as a function of (x, w, b)."""
-    f, forward = ACTIVATIONS[act].forward, eager_impl.forward
-    # training: differentiable(act), i.e. ``traced`` under torch's autograd for native activations
-    train = eager_impl.differentiable(act) or fused_linear_training(eager_impl, act)
-    direct = {
-        True: lambda x, w, b: train(x, w, b, act),
-        False: lambda x, w, b: forward(x, w, b, act)[0],
-    }[training]
     return {
-        "pytorch": lambda x, w, b: f(F.linear(x, w, b)),
-        "pytorch_aa": lambda x, w, b: f(F.linear(x, w, b)),
+        "pytorch": lambda x, w, b: baseline(x, w, b, act),
+        "pytorch_aa": lambda x, w, b: baseline(x, w, b, act),
         "eager": lambda x, w, b: fused_linear(x, w, b, act, backend="eager"),
-        "eager_direct": direct,
+        "eager_direct": eager_direct(act, training),
     }
 
 

@@ -8,9 +8,11 @@ then gelu / relu and fp16 on a few, then 128 and 512 tokens; on a machine withou
 float32 shapes (a smoke run). Modes: forward (no grad), backward (autograd.grad of x, W and b from a
 kept graph), forward+backward. Entries:
   <backend>  each registered backend that serves the call, fused_linear(backend=...); the others are
-             listed with the registry's reason
+             listed with the registry's reason (the pytorch backend's kernels are the pytorch entry's
+             composite: timed once, as that entry)
   dispatch   the public op choosing for itself (its pick in the "picked" column)
-  pytorch    act(F.linear(x, W, b)): the composite a user writes, under PyTorch's autograd
+  pytorch    act(F.linear(x, W, b)): the composite a user writes, under PyTorch's autograd, called
+             directly (``dispatch.ops.fused_linear.baseline``)
   compile    torch.compile(dynamic=True) of that composite (--compile-mode to autotune)
   torch.mm   x @ W^T alone (backward: the two gradient products; forward+backward: all three), the
              ceiling: no bias, no activation
@@ -88,8 +90,9 @@ def min_bytes(M: int, N: int, K: int, itemsize: int, activation: str, mode: str)
 
 
 def _pytorch(activation: str) -> Callable:
-    act = ACTIVATIONS[activation].forward
-    return lambda x, w, b: act(F.linear(x, w, b))
+    from dispatch.ops.fused_linear import baseline
+
+    return lambda x, w, b: baseline(x, w, b, activation)
 
 
 @functools.cache
@@ -168,6 +171,8 @@ def entries(row: dict, x, w, b, names: list[str], focus: bool, compile_mode: str
     ok, why = common.available(call, names)
     out: dict[str, Callable] = {}
     for name in ok:
+        if name == "pytorch":  # its kernels are the composite: the pytorch entry below
+            continue
         if name in PER_SHAPE and not focus:
             row[f"skip:{name}"] = "compiles per shape: FOCUS rows only (--all-backends)"
         else:
@@ -248,8 +253,10 @@ def breakdown_pieces(x, w, b, gy, act: str) -> dict[str, timing.Fn]:
         "pytorch: activation": lambda: a.forward(pre),
         "pytorch: activation backward": lambda: a.backward(gy, pre),
         "pytorch: grad_b sum": lambda: gy.sum(0),
-        "triton: activation pass": lambda: triton_bad.trusted.forward(pre, None, act, 0.0, None),
-        "triton: grad_pre + grad_b pass": lambda: triton_bad.backward_pass(gy, pre, None, act, 0.0, None, True, True),
+        "triton: activation pass": lambda: triton_bad.KERNELS.forward(pre, None, act, 0.0, None),
+        "triton: grad_pre + grad_b pass": lambda: triton_bad.backward_pass(
+            gy, pre, None, act, 0.0, None, True, True
+        ),
     }
     if a.backward is None:
         del pieces["pytorch: activation backward"]
@@ -280,7 +287,8 @@ def breakdown(args, device: torch.device) -> None:
             lines.append([f"{pair} M={M}", f"host: {name}", round(host, 1), None])
         result += [dict(zip(("shape", "entry", "us", "x_pytorch"), line)) for line in lines[-len(got) - 2 :]]
     common.write(args, "fused_linear_breakdown", {"rows": result}, device)
-    common.print_table(lines, ["shape", "entry", "us", "x pytorch"], title="bf16 gelu_tanh training: GPU us (CUDA graph), host us")
+    title = "bf16 gelu_tanh training: GPU us (CUDA graph), host us"
+    common.print_table(lines, ["shape", "entry", "us", "x pytorch"], title=title)
 
 
 # ----------------------------------------------------------------------------- report
@@ -333,7 +341,9 @@ def main() -> None:
     p.add_argument(
         "--activation", help="every row with this activation instead (duplicates dropped), e.g. relu"
     )
-    p.add_argument("--breakdown", action="store_true", help="GPU time of each piece of a training call (CUDA only)")
+    p.add_argument(
+        "--breakdown", action="store_true", help="GPU time of each piece of a training call (CUDA only)"
+    )
     args = p.parse_args()
     modes = tuple(m for m in args.modes.split(",") if m)
     if not set(modes) <= set(MODES):

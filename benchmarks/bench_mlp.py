@@ -1,0 +1,488 @@
+"""fused_mlp: the whole MLP block on every backend, next to the module a user writes, torch.compile of it,
+this project's ops composed by hand, Liger's SwiGLU MLP and the block's GEMMs alone.
+
+    python benchmarks/bench_mlp.py [--out DIR] [--m 8192] [--quick] [--modes forward+backward,forward]
+    python benchmarks/bench_mlp.py --cpu-smoke     # tiny sizes on the CPU, wall clock only
+
+Blocks (hidden H, intermediate F, activation, dropout p between the projections): GPT-2 (768, 3072,
+gelu_tanh, 0), ViT-B (768, 3072, gelu, 0.1), BERT-large (1024, 4096, gelu, 0.1), Qwen2-0.5B (896, 4864,
+swiglu, 0), LLaMA-2-7B (4096, 11008, swiglu, 0); biases on the non-gated blocks, none on the gated ones
+(as those models have); M = 8192 tokens; bf16. Modes: forward+backward (a training step: autograd.grad
+of x and every weight; the default) and forward (inference: no_grad, eval mode, no dropout). Entries:
+  pytorch       the nn.Module a user writes: Linear -> act -> Dropout -> Linear; gated, LLaMA's
+                down_proj(Dropout(act(gate_proj(x)) * up_proj(x)))
+  compile       torch.compile of that module (--compile-mode)
+  composed      fused_linear -> fused_bias_act_dropout -> fused_linear by hand (non-gated blocks), the
+                dispatcher picking each op's backend: what this project offered before fused_mlp
+  mlp/<name>    fused_mlp(backend=<name>) for each registered backend that serves the call (the others
+                printed with the registry's reason); a gate's weight one stacked (2F, H) copy, gate rows
+                first, or with --gate-pair the module's own (gate, up) pair (as a patched model passes)
+  mlp/dispatch  fused_mlp choosing for itself (its pick in the "picked" column)
+  liger         Liger-Kernel's LigerSwiGLUMLP on the module's own Linears (swiglu blocks, where
+                liger_kernel imports)
+  torch.mm      the block's GEMMs alone at cuBLAS speed, the floor: 2 forward, 4 more backward (a gate's
+                first is 2F wide)
+Metrics: GPU time (do_bench_cudagraph of the whole step; where capture fails do_bench's time stands in,
+said in the last column), wall time (do_bench; perf_counter on the CPU), time / the floor's in the same
+run ("x floor"), speedups vs pytorch and compile on both clocks, and what a training forward keeps for
+backward: "saved MiB", the tensors autograd saves (saved_tensors_hooks; each storage counted once;
+parameters and the input x left out), and on CUDA "held MiB", memory_allocated after the forward minus
+before, the output's own bytes subtracted. Every entry is checked before timing, at p = 0, against the
+float64 reference (output and, training, every gradient), allowed twice the pytorch entry's error.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable, NamedTuple, Optional, Union
+
+import common
+import torch
+from torch import Tensor, nn
+
+from dispatch import timing
+from dispatch.contracts.activations import GATES
+
+BLOCKS = {  # name -> (H, F, activation, dropout between the projections)
+    "gpt2": (768, 3072, "gelu_tanh", 0.0),
+    "vit-b": (768, 3072, "gelu", 0.1),
+    "bert-large": (1024, 4096, "gelu", 0.1),
+    "qwen2-0.5b": (896, 4864, "swiglu", 0.0),
+    "llama-2-7b": (4096, 11008, "swiglu", 0.0),
+}
+QUICK = ("gpt2", "qwen2-0.5b", "llama-2-7b")
+SMOKE_M, SMOKE_H, SMOKE_F = 64, 32, 64
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODES = ("forward+backward", "forward")
+TORCH_ACTS = {"gelu_tanh": lambda: nn.GELU("tanh"), "gelu": nn.GELU, "silu": nn.SiLU, "relu": nn.ReLU}
+FLOOR = "torch.mm"
+
+
+class PlainMLP(nn.Module):
+    """The block as a user writes it: fc1 -> act -> dropout -> fc2, or LLaMA's gate/up/down."""
+
+    def __init__(self, h: int, f: int, activation: str, p: float) -> None:
+        super().__init__()
+        self.gated = activation in GATES
+        self.act = TORCH_ACTS[GATES.get(activation, activation)]()
+        if self.gated:
+            self.gate_proj, self.up_proj = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False)
+            self.down_proj = nn.Linear(f, h, bias=False)
+        else:
+            self.fc1, self.fc2 = nn.Linear(h, f), nn.Linear(f, h)
+        self.set_dropout(p)
+
+    def set_dropout(self, p: float) -> None:
+        self.drop = nn.Dropout(p) if p > 0 else nn.Identity()
+
+    def weights(self) -> tuple[Tensor, ...]:
+        """Its parameters in fused_mlp's order, a gate's (gate, up) in place of the stacked w_in."""
+        if self.gated:
+            return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        return self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gated:
+            return self.down_proj(self.drop(self.act(self.gate_proj(x)) * self.up_proj(x)))
+        return self.fc2(self.drop(self.act(self.fc1(x))))
+
+
+class Weights(NamedTuple):
+    """fused_mlp's tensors: w_in (F, H), or for a gate (2F, H) stacked [gate; up] or the (gate, up)
+    pair; biases or None."""
+
+    w_in: Union[Tensor, tuple[Tensor, Tensor]]
+    b_in: Optional[Tensor]
+    w_out: Tensor
+    b_out: Optional[Tensor]
+
+    @property
+    def present(self) -> tuple[Tensor, ...]:
+        """The tensors, a pair's two in place of w_in."""
+        pair = self.w_in if isinstance(self.w_in, tuple) else (self.w_in,)
+        return tuple(t for t in (*pair, *self[1:]) if t is not None)
+
+    @property
+    def pair(self) -> bool:
+        return isinstance(self.w_in, tuple)
+
+    def stacked(self) -> Tensor:
+        """w_in as one (F, H) or (2F, H) tensor, detached."""
+        return (torch.cat(self.w_in) if self.pair else self.w_in).detach()  # type: ignore[arg-type]
+
+
+class Entry(NamedTuple):
+    fn: Callable[[Tensor], Tensor]
+    params: tuple[Tensor, ...]  # the leaves a training step differentiates besides x
+    split: bool  # params[:2] are (gate, up), the halves of the stacked w_in
+
+
+class Models(NamedTuple):
+    """One block's contenders, sharing one set of weights (liger and compile wrap the same Linears)."""
+
+    module: PlainMLP
+    compiled: Callable
+    liger: Optional[nn.Module]
+    weights: Weights
+    activation: str
+
+
+# ----------------------------------------------------------------------------- entries
+
+
+@functools.cache
+def liger_swiglu() -> tuple[Optional[type], str]:
+    """(LigerSwiGLUMLP, version) where liger_kernel imports, else (None, why not)."""
+    try:
+        import importlib.metadata
+
+        from liger_kernel.transformers import LigerSwiGLUMLP
+    except Exception as exc:  # not installed, or its triton / transformers pins disagree with ours
+        return None, f"liger_kernel does not import: {timing.describe(exc)}"
+    try:
+        version = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return LigerSwiGLUMLP, version
+
+
+def build(h: int, f: int, activation: str, p: float, dtype, device, args) -> tuple[Models, str]:
+    """The block's models (random init, seeded) and why liger has none ('' when it has one). A gate's
+    fused_mlp weight is a stacked copy of the module's gate and up weights, or with ``--gate-pair``
+    the module's own two."""
+    torch.manual_seed(0)
+    module = PlainMLP(h, f, activation, p).to(device, dtype)
+    torch._dynamo.reset()  # each block compiles afresh, static shapes: no recompile limit, no dynamic graph
+    options = {} if args.compile_mode == "default" else {"mode": args.compile_mode}
+    compiled = torch.compile(module, dynamic=False, **options)
+    w = module.weights()
+    if module.gated:
+        w_in = (w[0], w[1]) if args.gate_pair else torch.cat(w[:2]).detach().requires_grad_()
+        weights = Weights(w_in, None, w[2], None)
+    else:
+        weights = Weights(*w)
+    liger, why = None, ""
+    if activation == "swiglu":
+        cls, version = liger_swiglu()
+        if cls is None:
+            why = version
+        elif device.type != "cuda":
+            why = "liger's kernels are Triton's: they need CUDA"
+        else:
+            from transformers import LlamaConfig
+
+            liger = cls(LlamaConfig(hidden_size=h, intermediate_size=f, hidden_act="silu"))
+            for name in ("gate_proj", "up_proj", "down_proj"):  # the same Linears: the same weights
+                setattr(liger, name, getattr(module, name))
+    return Models(module, compiled, liger, weights, activation), why
+
+
+def composed(w: Weights, activation: str, p: float, training: bool) -> Callable[[Tensor], Tensor]:
+    """fused_linear -> fused_bias_act_dropout -> fused_linear; with dropout the first GEMM runs without
+    its bias, which moves into the dropout's pass, as dispatch.patch does."""
+    from dispatch import fused_bias_act_dropout, fused_linear
+
+    if p > 0 and training:
+        return lambda x: fused_linear(
+            fused_bias_act_dropout(fused_linear(x, w.w_in), w.b_in, activation, p), w.w_out, w.b_out
+        )
+    return lambda x: fused_linear(fused_linear(x, w.w_in, w.b_in, activation), w.w_out, w.b_out)
+
+
+def mlp(w: Weights, activation: str, p: float, training: bool, backend: Optional[str]) -> Callable:
+    from dispatch import fused_mlp
+
+    return lambda x: fused_mlp(x, *w, activation, p, 0.0, training, backend=backend)
+
+
+def entries(models: Models, p: float, training: bool, backends: list[str]) -> dict[str, Entry]:
+    """Every contender at dropout ``p`` (the module's own dropout set to it) in training or eval mode."""
+    module, w, act = models.module, models.weights, models.activation
+    module.set_dropout(p)
+    module.train(training)
+    own = module.weights()
+    out = {"pytorch": Entry(module, own, module.gated), "compile": Entry(models.compiled, own, module.gated)}
+    if not module.gated:
+        out["composed"] = Entry(composed(w, act, p, training), w.present, False)
+    for name in (*backends, None):
+        out[f"mlp/{name or 'dispatch'}"] = Entry(mlp(w, act, p, training, name), w.present, w.pair)
+    if models.liger is not None and p == 0:
+        out["liger"] = Entry(models.liger, own, True)
+    return out
+
+
+def step(e: Entry, x: Tensor, gy: Tensor, mode: str) -> timing.Fn:
+    """What a row times: the forward under no_grad, or forward and the gradients of x and every weight."""
+    if mode == "forward":
+
+        def run():
+            with torch.no_grad():
+                return e.fn(x)
+
+        return run
+    leaves = (x, *e.params)
+    return lambda: torch.autograd.grad(e.fn(x), leaves, gy)
+
+
+def gemm_floor(w: Weights, x: Tensor, gy: Tensor, mode: str) -> timing.Fn:
+    """The block's GEMMs alone: x W_in^T and a W_out^T; backward gy W_out, gy^T a, g W_in and g^T x,
+    g the (M, F) or (M, 2F) gradient of the pre-activation."""
+    w_in, w_out, xd = w.stacked(), w.w_out.detach(), x.detach()
+    a = torch.randn(x.shape[0], w_out.shape[1], device=x.device, dtype=x.dtype)  # (M, F)
+    g = torch.randn(x.shape[0], w_in.shape[0], device=x.device, dtype=x.dtype)  # (M, F) or (M, 2F)
+
+    def forward():
+        return torch.mm(xd, w_in.t()), torch.mm(a, w_out.t())
+
+    if mode == "forward":
+        return forward
+
+    def training():
+        return forward(), torch.mm(gy, w_out), torch.mm(gy.t(), a), torch.mm(g, w_in), torch.mm(g.t(), xd)
+
+    return training
+
+
+# ----------------------------------------------------------------------------- checks and memory
+
+
+def results(e: Entry, x: Tensor, gy: Tensor, training: bool) -> list[Tensor]:
+    """Output, then (training) the gradients of x, w_in (a gate's halves stacked), b_in, w_out, b_out."""
+    if not training:
+        with torch.no_grad():
+            return [e.fn(x)]
+    y = e.fn(x)
+    grads = list(torch.autograd.grad(y, (x, *e.params), gy))
+    if e.split:
+        grads[1:3] = [torch.cat(grads[1:3])]
+    return [y.detach(), *grads]
+
+
+def validate(found: dict[str, Entry], models: Models, x: Tensor, gy: Tensor, training: bool) -> dict:
+    """'ok' or what missed, per entry: max error against the float64 reference (dispatch.ops.fused_mlp's
+    ``reference``) at most twice the pytorch entry's plus the dtype's tolerance."""
+    from dispatch.contracts.tolerances import allowed_error, max_error
+    from dispatch.ops.fused_mlp import Block, reference
+
+    w = models.weights
+    tensors = (x, w.stacked(), *w[1:])
+    x64, w_in, b_in, w_out, b_out = (None if t is None else t.detach().double() for t in tensors)
+    leaves = [t.requires_grad_(training) for t in (x64, w_in, b_in, w_out, b_out) if t is not None]
+    with torch.set_grad_enabled(training):
+        y = reference(Block(x64, w_in, None, b_in, None, w_out, b_out, models.activation, 0.0, 0.0))
+    ref = [y.detach(), *(torch.autograd.grad(y, leaves, gy.double()) if training else ())]
+    names = ["y"]
+    if training:
+        grads = ("grad_x", "grad_w_in", "grad_b_in", "grad_w_out", "grad_b_out")
+        names += [n for n, t in zip(grads, tensors) if t is not None]
+    base: Optional[list[Tensor]] = None
+    out = {}
+    for name, e in sorted(found.items(), key=lambda kv: kv[0] != "pytorch"):
+        try:
+            got = results(e, x, gy, training)
+        except Exception as exc:  # one entry failing must not end the row
+            out[name] = f"error: {timing.describe(exc)}"
+            continue
+        base = got if name == "pytorch" else base
+        bad = []
+        for i, (what, g, r) in enumerate(zip(names, got, ref)):
+            err, allowed = max_error(g, r), allowed_error(r, g.dtype, None if base is None else base[i])
+            if not err <= allowed:
+                bad.append(f"{what} err {err:.3g} > {allowed:.3g}")
+        out[name] = "; ".join(bad) or "ok"
+    return out
+
+
+def saved_mib(e: Entry, x: Tensor) -> float:
+    """MiB of the tensors a training forward saves for backward, each storage once, parameters and x
+    left out."""
+    skip = {t.untyped_storage().data_ptr() for t in (x, *e.params)}
+    sizes: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            sizes[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = e.fn(x)
+    del y
+    return sum(sizes.values()) / 2**20
+
+
+def held_mib(e: Entry, x: Tensor) -> float:
+    """CUDA memory a training forward leaves allocated, the output's own bytes subtracted, in MiB."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = e.fn(x)
+    held = torch.cuda.memory_allocated() - before - y.untyped_storage().nbytes()
+    del y
+    return held / 2**20
+
+
+# ----------------------------------------------------------------------------- a row
+
+
+def implementing() -> list[str]:
+    """The registered backends that implement fused_mlp (the others are said once, not per row)."""
+    from dispatch.registry import backends
+
+    return [n for n in common.registered() if backends()[n].implements("fused_mlp")]
+
+
+def measure_row(name: str, m: int, mode: str, args, device) -> dict:
+    """One block at M tokens in one mode: validate, time in interleaved rounds, then memory."""
+    from dispatch import explain
+    from dispatch.ops.fused_mlp import parse
+
+    h, f, act, p = BLOCKS[name]
+    h, f = (SMOKE_H, SMOKE_F) if args.cpu_smoke else (h, f)
+    dtype, training = DTYPES[args.dtype], mode != "forward"
+    models, no_liger = build(h, f, act, p, dtype, device, args)
+    row = dict(block=name, M=m, H=h, F=f, act=act, p=p, dtype=args.dtype, mode=mode)
+    row["w_in"] = "pair" if models.weights.pair else "one tensor"
+    if no_liger:
+        row["skip:liger"] = no_liger
+    x = torch.randn(m, h, device=device, dtype=dtype).requires_grad_(training)  # (M, H)
+    gy = torch.randn(m, h, device=device, dtype=dtype)  # (M, H)
+    with torch.set_grad_enabled(training):
+        call = parse(x, *models.weights, act, p, 0.0, training).call
+        row["picked"] = explain("fused_mlp", x, *models.weights, act, p, 0.0, training).backend.name
+    ok, why = common.available(call, implementing())
+    row.update({f"skip:mlp/{b}": reason for b, reason in why.items()})
+    valid = validate(entries(models, 0.0, training, ok), models, x, gy, training)
+    found = entries(models, p, training, ok)
+    runs = {n: step(e, x, gy, mode) for n, e in found.items()}
+    runs[FLOOR] = gemm_floor(models.weights, x, gy, mode)
+    check = lambda n: valid.get(n, "")  # noqa: E731  (checked above, at p = 0)
+    measured = timing.compare(runs, device, check=check, rounds=args.rounds, rep_ms=args.rep_ms)
+    common.record(row, measured)
+    derive(row, measured, device)
+    if training:
+        memory(row, found, x, device)
+    return row
+
+
+def derive(row: dict, measured: dict[str, timing.Measured], device) -> None:
+    """do_bench's time where capture failed (said so), time / the floor's, the speedups."""
+    for n, meas in measured.items():
+        if meas.gpu is None and meas.wall is not None and "gpu" in meas.errors:
+            row[f"gpu_us:{n}"] = meas.wall.ms * 1e3
+            row[f"error:{n}"] = f"gpu = do_bench (capture failed: {meas.errors['gpu']})"
+    clock = "gpu_us:" if device.type == "cuda" else "wall_us:"
+    floor = row.get(clock + FLOOR)
+    for key in [k for k in row if k.startswith(clock) and row[k] and floor and k != clock + FLOOR]:
+        row[f"floor:{key[len(clock) :]}"] = row[key] / floor
+    common.speedups(row)
+
+
+def memory(row: dict, found: dict[str, Entry], x: Tensor, device) -> None:
+    for n, e in found.items():
+        try:
+            row[f"saved_mib:{n}"] = saved_mib(e, x)
+            if device.type == "cuda":
+                row[f"held_mib:{n}"] = held_mib(e, x)
+        except Exception as exc:  # e.g. out of memory: the times stand
+            row.setdefault(f"error:{n}", f"memory: {timing.describe(exc)}")
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def wide_table(rows: list[dict], device) -> tuple[list[list], list[str]]:
+    """The issue's table: a line per block and mode, each entry's time, the best fused_mlp backend's
+    speedups, its time over the floor, and the saved MiB of pytorch and that backend."""
+    clock = "gpu" if device.type == "cuda" else "wall"
+    names = [n for n in common.entry_names(rows) if any(r.get(f"{clock}_us:{n}") for r in rows)]
+    order = ("pytorch", "compile", "composed", "mlp/", "liger", FLOOR)
+    names.sort(key=lambda n: next(i for i, o in enumerate((*order, "")) if n.startswith(o)))
+    lines = []
+    for r in rows:
+        line = [r["block"], r["M"], r["mode"]] + [_ms(r.get(f"{clock}_us:{n}")) for n in names]
+        best = common.fastest(r, [n for n in names if n.startswith("mlp/")], clock)
+        line += [best] + [r.get(f"{k}:{best}") for k in (f"x_pytorch_{clock}", f"x_compile_{clock}", "floor")]
+        line += [r.get("saved_mib:pytorch"), r.get(f"saved_mib:{best}")]
+        lines.append(line)
+    heads = ["block", "M", "mode", *(f"{n} ms" for n in names), "best mlp", "x torch", "x compile", "x floor"]
+    return lines, heads + ["saved MiB torch", "saved MiB best"]
+
+
+def _ms(us: Optional[float]) -> Optional[float]:
+    return None if us is None else us / 1e3
+
+
+def _times(row: dict) -> str:
+    """Each entry's ms on the GPU clock (wall on the CPU), or the row's error."""
+    for clock in ("gpu_us:", "wall_us:"):
+        times = [f"{k[len(clock) :]}={v / 1e3:.3g}" for k, v in row.items() if k.startswith(clock)]
+        if times:
+            return " ".join(times)
+    return str(row.get("error"))
+
+
+def main() -> None:
+    p = common.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--m", default=None, help="tokens, comma-separated (default 8192; 64 with --cpu-smoke)")
+    p.add_argument("--blocks", default=None, help=f"a subset of {','.join(BLOCKS)} (default all; --quick: 3)")
+    p.add_argument("--modes", help=f"comma-separated, of {', '.join(MODES)} (default the first; smoke both)")
+    p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
+    p.add_argument("--compile-mode", default="default", help="torch.compile mode (not one with CUDA graphs)")
+    p.add_argument("--rep-ms", type=float, help="ms per entry and clock, all rounds (default 60; quick 30)")
+    p.add_argument("--rounds", type=int, help=f"interleaved rounds (default {timing.ROUNDS}; quick 2)")
+    p.add_argument("--gate-pair", action="store_true", help="gated blocks: fused_mlp gets a (gate, up) pair")
+    p.add_argument("--cpu-smoke", action="store_true", help=f"the CPU, H={SMOKE_H}, F={SMOKE_F}: a smoke run")
+    args = p.parse_args()
+    modes = [m for m in (args.modes or (",".join(MODES) if args.cpu_smoke else MODES[0])).split(",") if m]
+    blocks = args.blocks.split(",") if args.blocks else list(QUICK if args.quick else BLOCKS)
+    if not set(modes) <= set(MODES) or not set(blocks) <= set(BLOCKS):
+        p.error(f"--modes: some of {', '.join(MODES)}; --blocks: some of {', '.join(BLOCKS)}")
+    ms = [int(v) for v in args.m.split(",")] if args.m else [SMOKE_M if args.cpu_smoke else 8192]
+    args.rep_ms = args.rep_ms or (30.0 if args.quick or args.cpu_smoke else 60.0)
+    args.rounds = args.rounds or (2 if args.quick or args.cpu_smoke else timing.ROUNDS)
+    args.tag = args.tag or ("cpu_smoke" if args.cpu_smoke else "")
+    device = common.setup(args)
+    if args.cpu_smoke:
+        device = torch.device("cpu")
+        torch.set_num_threads(args.threads or 1)  # tiny matmuls: more threads only contend
+    elif device.type != "cuda":
+        p.error("no CUDA device: run with --cpu-smoke for a smoke run of tiny sizes")
+    with common.logged(args, "fused_mlp"):
+        run(args, blocks, ms, modes, device)
+
+
+def run(args, blocks: list[str], ms: list[int], modes: list[str], device) -> None:
+    start, rows = time.perf_counter(), []
+    for name in blocks:
+        for m in ms:
+            for mode in modes:
+                key = dict(block=name, M=m, mode=mode)
+                try:
+                    rows.append(measure_row(name, m, mode, args, device))
+                except Exception as exc:  # e.g. out of memory: record and go on
+                    rows.append(dict(key, error=timing.describe(exc)))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                took = time.perf_counter() - start
+                print(f"[{took:4.0f}s] {name} M={m} {mode}: ms {_times(rows[-1])}", flush=True)
+    others = sorted(set(common.registered()) - set(implementing()))
+    print(f"backends that do not implement fused_mlp: {', '.join(others) or 'none'}")
+    skipped = {k[5:]: v for r in rows for k, v in r.items() if k.startswith("skip:")}
+    for name, why in sorted(skipped.items()):
+        print(f"skipped {name}: {why}")
+    liger = liger_swiglu()
+    extra = {"liger_kernel": liger[1] if liger[0] else None, "blocks": {b: BLOCKS[b] for b in blocks}}
+    common.write(args, "fused_mlp", {"rows": rows, **extra}, device)
+    keys = ["block", "M", "mode"]
+    metrics = [("x floor", "floor"), ("saved MiB", "saved_mib")]
+    metrics += [("held MiB", "held_mib")] if device.type == "cuda" else []
+    lines, heads = common.long_table(rows, keys, metrics)
+    took = time.perf_counter() - start
+    common.print_table(lines, heads, title=f"every entry (x = baseline's time / entry's; {took:.0f} s)")
+    clock = "GPU time (CUDA graph)" if device.type == "cuda" else "wall time"
+    common.print_table(*wide_table(rows, device), title=f"fused_mlp, {args.dtype}: {clock}, ms")
+
+
+if __name__ == "__main__":
+    main()
