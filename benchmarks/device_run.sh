@@ -6,8 +6,8 @@
 #   cputests                  the whole suite, stop at the first failure
 #   pytest                    pytest $PYTEST_ARGS (re-parsed by a shell: quoted -k expressions survive)
 #   parity                    python -m dispatch.parity --quick
-#   bench_bias_act_dropout, bench_fused_linear, bench_dispatch_overhead, bench_e2e
-#                             benchmarks/<stage>.py --out $R $BENCH_ARGS (e.g. BENCH_ARGS="--quick")
+#   bench_bias_act_dropout, bench_fused_linear, bench_dispatch_overhead, bench_e2e, bench_mlp,
+#   bench_e2e_llama           benchmarks/<stage>.py --out $R $BENCH_ARGS (e.g. BENCH_ARGS="--quick")
 #   benchmarks                the four benchmarks with --quick, one after another
 #   calibrate                 the full calibration, budget = the stage's limit - 60 s
 #   calibrate_quick           python -m dispatch.calibrate --quick
@@ -48,7 +48,7 @@ for arg in "$@"; do
     cputests) stage cputests "$limit" python3 -m pytest -q -p no:cacheprovider -x tests ;;
     pytest) stage pytest "$limit" bash -c "python3 -m pytest -q -p no:cacheprovider -rfE ${PYTEST_ARGS:?}" ;;
     parity) stage parity "$limit" python3 -m dispatch.parity --quick ;;
-    bench_bias_act_dropout | bench_fused_linear | bench_dispatch_overhead | bench_e2e)
+    bench_bias_act_dropout | bench_fused_linear | bench_dispatch_overhead | bench_e2e | bench_mlp | bench_e2e_llama)
       # shellcheck disable=SC2086  (BENCH_ARGS is a list of arguments)
       stage "$name" "$limit" python3 "benchmarks/$name.py" --out "$R" ${BENCH_ARGS:-} ;;
     benchmarks) stage benchmarks "$limit" bash -c "for b in bias_act_dropout fused_linear dispatch_overhead e2e; do python3 benchmarks/bench_\$b.py --quick --out '$R' || echo \"bench_\$b failed: \$?\"; done" ;;

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from dispatch.contracts.backend import Kernels
-from dispatch.ops.fused_linear import backward_from_pre
+from dispatch.ops.fused_linear import Grads, Needs, backward_from_pre, inference_of
 
 USE_GELU = {"relu": False, "gelu_tanh": True}
 
@@ -47,15 +47,8 @@ def forward(
     return y, y if activation == "relu" else None
 
 
-def backward(
-    grad_y: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    saved: Optional[Tensor],
-    activation: str,
-    needs: tuple[bool, bool, bool],
-) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+def backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], saved: Optional[Tensor],
+             activation: str, needs: Needs) -> Grads:  # fmt: skip
     """PyTorch defines no derivative for ``_addmm_activation``. With z = x W^T + b recomputed (unless
     another backend's forward saved it): grad_z = grad_y * act'(z) from the one activation table,
     grad_x = grad_z W, grad_W = grad_z^T x, grad_b = sum_rows grad_z; the eager backward computes
@@ -63,8 +56,4 @@ def backward(
     return backward_from_pre(grad_y, x, weight, bias, saved, activation, needs)
 
 
-def inference(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
-    return forward(x, weight, bias, activation)[0]
-
-
-KERNELS = Kernels(forward=forward, backward=backward, inference=inference)
+KERNELS = Kernels(forward=forward, backward=backward, inference=inference_of(forward))

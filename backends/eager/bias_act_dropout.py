@@ -42,16 +42,8 @@ def forward(
     return _mask_scale(ACTIVATIONS[activation].forward(z), p, rng).to(x.dtype)
 
 
-def backward(
-    grad_y: Tensor,
-    x: Tensor,
-    bias: Optional[Tensor],
-    activation: str,
-    p: float,
-    rng: Optional[Rng],
-    need_x: bool,
-    need_bias: bool,
-) -> tuple[Optional[Tensor], Optional[Tensor]]:
+def backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng],
+        need_x: bool, need_bias: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:  # fmt: skip
     dtype = compute_dtype(x.dtype)
     z = _pre_activation(x, bias, dtype)
     # grad_y * keep * scale: F.dropout's backward (native_dropout_backward: grad * mask * scale)

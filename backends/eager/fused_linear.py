@@ -20,7 +20,7 @@ from torch import Tensor
 from dispatch.contracts.activations import ACTIVATIONS
 from dispatch.contracts.backend import Kernels
 from dispatch.contracts.op import compute_dtype
-from dispatch.ops.fused_linear import backward_from_pre
+from dispatch.ops.fused_linear import Grads, Needs, backward_from_pre, inference_of
 
 
 def forward(
@@ -35,20 +35,9 @@ def forward(
     return act.forward(pre.to(compute_dtype(x.dtype))).to(x.dtype), pre
 
 
-def backward(
-    grad_y: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    saved: Optional[Tensor],
-    activation: str,
-    needs: tuple[bool, bool, bool],
-) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+def backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], saved: Optional[Tensor],
+             activation: str, needs: Needs) -> Grads:  # fmt: skip
     return backward_from_pre(grad_y, x, weight, bias, saved, activation, needs)
-
-
-def inference(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
-    return forward(x, weight, bias, activation)[0]
 
 
 def autograd(activation: str) -> bool:
@@ -59,4 +48,4 @@ def autograd(activation: str) -> bool:
     return act.native and act.backward is not None
 
 
-KERNELS = Kernels(forward=forward, backward=backward, inference=inference, autograd=autograd)
+KERNELS = Kernels(forward=forward, backward=backward, inference=inference_of(forward), autograd=autograd)

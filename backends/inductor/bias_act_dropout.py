@@ -31,19 +31,8 @@ def forward(
     return run(eager.forward, (x, bias, activation, p, _traced(rng, x)), rows=(0,))
 
 
-def backward(
-    grad_y: Tensor,
-    x: Tensor,
-    bias: Optional[Tensor],
-    activation: str,
-    p: float,
-    rng: Optional[Rng],
-    need_x: bool,
-    need_bias: bool,
-) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    need_bias = need_bias and bias is not None
-    if not (need_x or need_bias):
-        return None, None
+def backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng],
+        need_x: bool, need_bias: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:  # fmt: skip
     args = (grad_y, x, bias, activation, p, _traced(rng, x), need_x, need_bias)
     return run(eager.backward, args, rows=(0, 1))
 

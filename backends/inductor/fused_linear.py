@@ -9,8 +9,9 @@ from typing import Optional
 from torch import Tensor
 
 from dispatch.backends.eager import fused_linear as eager
-from dispatch.contracts.backend import Kernels
 from dispatch.backends.inductor.compiler import run
+from dispatch.contracts.backend import Kernels
+from dispatch.ops.fused_linear import Grads, Needs, inference_of
 
 
 def forward(
@@ -19,24 +20,10 @@ def forward(
     return run(eager.forward, (x, weight, bias, activation), rows=(0,))
 
 
-def backward(
-    grad_y: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    saved: Optional[Tensor],
-    activation: str,
-    needs: tuple[bool, bool, bool],
-) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    needs = (needs[0], needs[1], needs[2] and bias is not None)
-    if not any(needs):
-        return None, None, None
+def backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], saved: Optional[Tensor],
+             activation: str, needs: Needs) -> Grads:  # fmt: skip
     args = (grad_y, x, weight, bias, saved, activation, needs)
     return run(eager.backward, args, rows=(0, 1, 4))
 
 
-def inference(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
-    return forward(x, weight, bias, activation)[0]
-
-
-KERNELS = Kernels(forward=forward, backward=backward, inference=inference)
+KERNELS = Kernels(forward=forward, backward=backward, inference=inference_of(forward))

@@ -30,19 +30,8 @@ def forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: O
     return run(key, lambda x, b, r: eager.forward(x, b, activation, p, r), x, bias, r)
 
 
-def backward(
-    grad_y: Tensor,
-    x: Tensor,
-    bias: Optional[Tensor],
-    activation: str,
-    p: float,
-    rng: Optional[Rng],
-    need_x: bool,
-    need_bias: bool,
-) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    need_bias = need_bias and bias is not None
-    if not (need_x or need_bias):
-        return None, None
+def backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng],
+        need_x: bool, need_bias: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:  # fmt: skip
     r = _traced(rng, x)
     key = ("bias_act_dropout.backward", activation, p, need_x, need_bias, signature(grad_y, x, bias, r))
 

@@ -22,6 +22,7 @@ from dispatch.backends.nvfuser.compiler import run, signature
 from dispatch.contracts.activations import ACTIVATIONS
 from dispatch.contracts.backend import Kernels
 from dispatch.contracts.op import compute_dtype
+from dispatch.ops.fused_linear import Grads, Needs, inference_of
 
 
 def forward(
@@ -36,18 +37,8 @@ def forward(
     return run(key, lambda p: act(p.to(dtype)).to(p.dtype), pre), pre
 
 
-def backward(
-    grad_y: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    saved: Optional[Tensor],
-    activation: str,
-    needs: tuple[bool, bool, bool],
-) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    needs = (needs[0], needs[1], needs[2] and bias is not None)
-    if not any(needs):
-        return None, None, None
+def backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], saved: Optional[Tensor],
+             activation: str, needs: Needs) -> Grads:  # fmt: skip
     if saved is None and activation != "identity":
         saved = F.linear(x, weight, bias)  # the forward's pre-activation, rounded as it was
     key = ("fused_linear.backward", activation, needs, signature(grad_y, x, weight, bias, saved))
@@ -58,8 +49,4 @@ def backward(
     return run(key, grads, grad_y, x, weight, bias, saved)
 
 
-def inference(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
-    return forward(x, weight, bias, activation)[0]
-
-
-KERNELS = Kernels(forward=forward, backward=backward, inference=inference)
+KERNELS = Kernels(forward=forward, backward=backward, inference=inference_of(forward))

@@ -542,16 +542,8 @@ def _forward(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: 
     return y
 
 
-def backward(
-    grad_y: Tensor,
-    x: Tensor,
-    bias: Optional[Tensor],
-    activation: str,
-    p: float,
-    rng: Optional[Rng],
-    need_x: bool,
-    need_bias: bool,
-) -> tuple[Optional[Tensor], Optional[Tensor]]:
+def backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng],
+        need_x: bool, need_bias: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:  # fmt: skip
     """grad_x = grad_y * keep * scale * act'(x + bias) and grad_bias = its column sums, in one pass
     over (M, N) plus, when several row-programs share a column, a small deterministic reduction."""
     _check(x, bias)
@@ -560,16 +552,8 @@ def backward(
     return _backward(grad_y, x, bias, activation, p, rng, need_x, need_bias)
 
 
-def _backward(
-    grad_y: Tensor,
-    x: Tensor,
-    bias: Optional[Tensor],
-    activation: str,
-    p: float,
-    rng: Optional[Rng],
-    need_x: bool,
-    need_bias: bool,
-) -> tuple[Optional[Tensor], Optional[Tensor]]:
+def _backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng],
+        need_x: bool, need_bias: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:  # fmt: skip
     """``backward`` on arguments the caller validated (``KERNELS``)."""
     return backward_pass(grad_y, x, bias, activation, p, rng, need_x, need_bias and bias is not None)
 

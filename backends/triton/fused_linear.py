@@ -40,6 +40,7 @@ from torch import Tensor
 from dispatch.backends.triton import bias_act_dropout, matmul
 from dispatch.backends.triton.launch import Launcher
 from dispatch.contracts.backend import Kernels
+from dispatch.ops.fused_linear import Grads, Needs
 
 
 @triton.jit
@@ -146,19 +147,9 @@ def infer(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) ->
     return launch_forward(x, weight, bias, activation)
 
 
-def backward(
-    grad_y: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    saved: Optional[Tensor],
-    activation: str,
-    needs: tuple[bool, bool, bool],
-) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+def backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], saved: Optional[Tensor],
+             activation: str, needs: Needs) -> Grads:  # fmt: skip
     need_x, need_w, need_b = needs
-    need_b = need_b and bias is not None
-    if not (need_x or need_w or need_b):
-        return None, None, None
     if activation == "identity":
         grad_pre = grad_y
         grad_b = launch_column_sums(grad_y).to(bias.dtype) if need_b else None

@@ -78,6 +78,7 @@ def rows(c: BiasActDropoutCall) -> Tensor:
 #   forward(x, bias, activation, p, rng) -> y              a call with autograd
 #   inference(x, bias, activation, p, rng) -> y            a call without
 #   backward(grad_y, x, bias, activation, p, rng, need_x, need_bias) -> (grad_x, grad_bias)
+# backward is asked for at least one gradient, never for an absent bias's.
 
 
 # ----------------------------------------------------------------------------- math
@@ -164,7 +165,7 @@ class BiasActDropout(torch.autograd.Function):
     def backward(ctx: Any, grad_y):  # type: ignore[override]
         saved = ctx.saved_tensors
         x, bias, rng = saved[0], saved[1], saved[2] if len(saved) == 3 else ctx.rng
-        need_x, need_bias = ctx.needs_input_grad[:2]
+        need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and bias is not None
         activation, p = ctx.activation, ctx.p
         if torch.is_grad_enabled():  # create_graph=True: the reference, same mask
             dtype = compute_dtype(x.dtype)
@@ -173,8 +174,10 @@ class BiasActDropout(torch.autograd.Function):
                 return reference(x.to(dtype), None if bias is None else bias.to(dtype), activation, p, rng)
 
             grad_x, grad_bias = differentiable_grads(make_y, (x, bias), (need_x, need_bias), grad_y)
-        else:
+        elif need_x or need_bias:
             grad_x, grad_bias = ctx.kernels.backward(grad_y, x, bias, activation, p, rng, need_x, need_bias)
+        else:
+            grad_x = grad_bias = None
         return grad_x, grad_bias, None, None, None, None
 
 

@@ -62,6 +62,18 @@ def rows(c: FusedLinearCall) -> Tensor:
 #   forward(x, weight, bias, activation) -> (y, saved)      a call with autograd
 #   inference(x, weight, bias, activation) -> y              a call without
 #   backward(grad_y, x, weight, bias, saved, activation, (need_x, need_w, need_b)) -> (gx, gw, gb)
+# backward is asked for at least one gradient, never for an absent bias's.
+Needs = tuple[bool, bool, bool]
+Grads = tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]
+
+
+def inference_of(forward: Callable[..., tuple[Tensor, Any]]) -> Callable[..., Tensor]:
+    """A kernels' inference that is its forward's y."""
+
+    def inference(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
+        return forward(x, weight, bias, activation)[0]
+
+    return inference
 
 
 def reference(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, upcast: bool = False) -> Tensor:
@@ -129,7 +141,7 @@ class FusedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_y):  # type: ignore[override]
         x, weight, bias, saved = ctx.saved_tensors
-        needs = tuple(ctx.needs_input_grad[:3])
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and bias is not None)
         activation = ctx.activation
         if torch.is_grad_enabled():  # create_graph=True: ``saved`` has no graph; the reference has
             dtype = compute_dtype(x.dtype)
@@ -139,8 +151,10 @@ class FusedLinear(torch.autograd.Function):
                 return reference(x.to(dtype), weight.to(dtype), b, activation)
 
             grads = differentiable_grads(make_y, (x, weight, bias), needs, grad_y)
-        else:
+        elif any(needs):
             grads = ctx.kernels.backward(grad_y, x, weight, bias, saved, activation, needs)
+        else:
+            grads = (None, None, None)
         return (*grads, None, None)
 
 
