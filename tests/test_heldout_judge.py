@@ -36,3 +36,17 @@ def test_the_held_out_judge_reports_capture_runnable_scores_and_its_own_noise(ev
     assert capture.endswith("a capture may run: 50.0% within 5%, worst 1.200x (2 calls)")
     assert noise.endswith("1.000-1.030x (2 calls)")
 
+
+
+def test_plain_pytorch_is_scored_as_a_contender(evaluate):
+    """Plain PyTorch as the pick scores 1.00x against itself; as the fastest it is what a pick is held
+    to, on GPU time and under capture alike."""
+    t = {n: {"gpu": g, "host": 10.0, "wall": g} for n, g in {"eager": 130.0, "pytorch": 100.0}.items()}
+    own = evaluate.score(t, "pytorch")
+    assert own["gpu_ratio"] == own["vs_pytorch_gpu"] == own["vs_pytorch_wall"] == 1.0
+    assert own["fastest_gpu"] == "pytorch" and own["wall_ok"]
+    other = evaluate.score(t, "eager")
+    assert other["gpu_ratio"] == pytest.approx(1.3) and not other["wall_ok"]
+    rows = [{"op": "fused_linear", "activation": "gelu", "pick": "eager", "captured_pick": None, "us": t,
+             "score": other}]  # fmt: skip
+    assert evaluate.diagnostics(rows)[0].endswith("0.0% within 5%, worst 1.300x (1 calls)")

@@ -5,6 +5,7 @@ it: the test that a new op is one spec file (plus a kernel file per backend that
 
 from __future__ import annotations
 
+import json
 import numbers
 from typing import Any, Callable, Optional, Sequence
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from dispatch import explain, ops, select
+from dispatch import calibrate, explain, ops, select
+from dispatch import table as table_cli
 from dispatch.calibrate import plan
 from dispatch.contracts import checks
 from dispatch.contracts.backend import Call, Kernels
@@ -100,7 +102,7 @@ class ScaledAdd(OpSpec):
         x, y, grad = (torch.randn(shape, generator=g).to(case.dtype) for _ in range(3))
         return Inputs([x, y], grad, seed)
 
-    def run_case(self, case: Case, leaves: Sequence[Tensor], backend: Optional[str], seed: int) -> Tensor:
+    def run_case(self, case: Case, leaves: Sequence[Tensor], backend: Optional[str], seed: Optional[int]) -> Tensor:
         x, y = leaves
         return torch.add(y, x, alpha=3.0) if backend is None else scaled_add(x, y, 3.0, backend=backend)
 
@@ -158,3 +160,24 @@ def test_the_planner_plans_it_on_the_cpu():
     assert [s.rep for s in series] == ["identity"]
     assert p.grid(NAME, (64,), torch.float32)[-1] == p.m_cap(NAME, (64,), torch.float32)
     assert plan.servers(NAME, "identity") >= {"eager", "pytorch"}
+
+
+def test_a_calibration_measures_it_and_the_table_prints_it(tmp_path, capsys):
+    """python -m dispatch.calibrate --quick --ops scaled_add on the CPU: an entry per family at the op's
+    own activation, plain PyTorch and eager timed at every point, each winner parity-checked; then
+    python -m dispatch.table prints it. The toy's eager (two passes through a Function) runs at 0.2-0.5x
+    PyTorch's one add: PyTorch wins, at 1.00x."""
+    out = tmp_path / "toy.json"
+    assert calibrate.main(["--quick", "--ops", NAME, "--budget", "20", "--out", str(out)]) == 0
+    entries = json.loads(out.read_text())["entries"]
+    assert sorted((e["activation"], e["mode"]) for e in entries) == [("identity", "inference"),
+                                                                     ("identity", "training")]  # fmt: skip
+    for e in entries:
+        assert all({"eager", "pytorch"} <= p["gpu_us"].keys() for p in e["points"]), e["points"]
+        assert all(s["backend"] in s["errors"] for s in e["segments"]), e["segments"]
+    capsys.readouterr()
+    assert table_cli.main(["--gpu", str(out), "--op", NAME]) == 0
+    printed = capsys.readouterr().out
+    for mode in ("inference", "training"):
+        assert f"scaled_add  float32  {mode}  activation identity  (timed as identity)" in printed, printed
+    assert "pytorch 1.00x" in printed and "activation gelu" not in printed, printed

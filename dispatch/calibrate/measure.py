@@ -1,5 +1,6 @@
 """What the calibrator times and how: one timer per entry (a backend through the public ops, or BASELINE,
-the composite a user writes) and two clocks on ``dispatch.timing``, each the median of interleaved rounds.
+the composite a user writes, called directly) and two clocks on ``dispatch.timing``, each the median of
+interleaved rounds; ``point`` measures one point of a series.
 
 - ``gpu_us``: calls unrolled in a CUDA graph (``timing.gpu_ms``, do_bench_cudagraph): the kernels alone.
   A backend that cannot be captured falls back to do_bench and the point says so (``gpu_clock``). A call
@@ -24,6 +25,7 @@ from torch import Tensor
 from dispatch import ops, timing
 from dispatch.calibrate.plan import BASELINE
 from dispatch.cases import Case, Inputs, leaf_tensors, make_inputs
+from dispatch.heuristics.schema import Point
 
 SLOW_MS = timing.SLOW_MS  # 5 ms
 CPU_SLOW_MS = 50.0  # on a CPU such a call gets one round (fused_linear 64 x 3072 x 768 takes ~5 ms)
@@ -66,13 +68,14 @@ class Timer(NamedTuple):
 
 def timer(name: str, case: Case, inp: Inputs, chain: int = 1) -> Timer:
     """The op on backend ``name`` through its public function, or for BASELINE the composite called
-    directly: a forward, or ``chain`` forwards and one backward over their outputs (one on a CPU, where
-    a call dwarfs autograd's fixed cost)."""
+    directly (the floor: the dispatcher's few us per call are alike for every backend): a forward, or
+    ``chain`` forwards and one backward over their outputs (one on a CPU, where a call dwarfs autograd's
+    fixed cost)."""
     leaves = leaf_tensors(case, inp)
     run, backend = ops.get(case.op).run_case, (None if name == BASELINE else name)
 
     def forward() -> Tensor:
-        return run(case, leaves, backend, inp.seed)
+        return run(case, leaves, backend, None)  # the default generator: capturable
 
     if not case.training:
         return Timer(forward, [], 1, name, case)
@@ -171,7 +174,8 @@ class Clock:
         """Each entry's first call and estimate (ms per op call), then one decision for the point: under
         CHAIN_BELOW_MS every training entry is re-built chained (``timers`` updated in place). Returns
         the estimates of the entries to time in rounds and the outcome of the others: an exception, why
-        it was not started, or a hopeless entry's estimate (SKIP_MS, HOPELESS_X; never the baseline)."""
+        it was not started, or a hopeless entry's estimate (SKIP_MS, HOPELESS_X over the cheapest entry;
+        never the baseline, which every point times for the speedups)."""
         out: dict[str, Outcome] = {}
         est: dict[str, float] = {}
 
@@ -192,7 +196,7 @@ class Clock:
                 run(name, t)
             else:
                 out[name] = "not started: the budget is spent"
-        best = min((e for n, e in est.items() if n != BASELINE), default=0.0)
+        best = min(est.values(), default=0.0)
         hopeless = lambda n: n != BASELINE and est[n] >= SKIP_MS and est[n] > HOPELESS_X * best  # noqa: E731
         for name in [n for n in est if hopeless(n)]:
             run(name, timers[name], again=True)  # the lower of two estimates: one can catch a host stall
@@ -234,10 +238,12 @@ class Clock:
         return out, spent
 
 
-def point(case: Case, names: list[str], clock: Clock, may_start: Callable[[str], bool]) -> tuple[dict, dict]:
+def point(
+    case: Case, names: list[str], clock: Clock, may_start: Callable[[str], bool]
+) -> tuple[Point, dict[str, float]]:
     """One measured point (each entry's gpu_us and host_us, what failed or was not started, how a GPU time
     was taken where not by a graph) and the seconds per entry."""
-    pt: dict = {"m": case.m, "gpu_us": {}, "host_us": {}, "err": {}, "rejected": {}}
+    pt: Point = {"m": case.m, "gpu_us": {}, "host_us": {}, "err": {}, "rejected": {}}
     spent: dict[str, float] = {}
     try:
         inp = make_inputs(case, case.seed)

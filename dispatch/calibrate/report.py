@@ -1,4 +1,5 @@
-"""The end of a calibration: the self-check on held-out points, where the time went, and the refit.
+"""The end of a calibration: the document written, the self-check on held-out points, where the time
+went, and the refit.
 
 The self-check asks the written table for its pick at each held-out point (one token count per series
 the fit never saw) and scores it against the timings there, by the rule's cost (max(gpu_us, host_us))
@@ -9,6 +10,7 @@ calibration's measured points again by the current rule, measuring nothing.
 from __future__ import annotations
 
 import datetime
+import platform
 import sys
 from typing import Optional
 
@@ -16,13 +18,44 @@ import torch
 
 from dispatch import heuristics, select
 from dispatch.calibrate.plan import (
-    BASELINE, NOISE, PREFERENCE, PREFERENCE_INFERENCE, costs, estimated, fit, pool_host, preference,
+    BASELINE, NOISE, PREFERENCE, PREFERENCE_INFERENCE, Plan, costs, estimated, fit, pool_host, preference,
+    runs,
 )  # fmt: skip
-from dispatch.cases import Case
+from dispatch.cases import P_DROPOUT, Case
+from dispatch.heuristics.schema import Point
+from dispatch.registry import backends
 
 TARGETS = {"within_5pct": 0.95, "worst_regret": 0.10, "worst_vs_pytorch": 0.03}
 WITHIN = 0.05
 AGREE_M = tuple(4**i for i in range(9))  # 1 .. 65536: every other token count of the choice tables
+NOT_CHECKED = "refit: no parity check passed in this entry"
+
+
+def document(entries: list[dict], info: dict, plan: Plan, progress: dict) -> dict:
+    """A calibration's document: ``entries``, the device ``info``, the rule and timers, and the run's
+    ``progress`` (budget, families, seconds...) in its settings."""
+    fields = ("op", "dtype", "mode", "dropout", "activation", "features")
+    entries = sorted(entries, key=lambda e: tuple(e[k] for k in fields))
+    gpu = plan.device.type == "cuda"
+    settings = {
+        "quick": plan.quick, "noise": NOISE, "preference": list(PREFERENCE),
+        "preference_inference": list(PREFERENCE_INFERENCE), "p_dropout": P_DROPOUT,
+        "rule": "cost = max(gpu_us, host_us); ties within noise go to preference "
+                "(preference_inference without autograd)",
+        "baseline": f"{BASELINE}: the composite a user writes (F.dropout(act(x + b), p), "
+                    "act(F.linear(x, w, b)), the MLP block), called directly; a contender, first in the ties",
+        "timer": "gpu_us: triton.testing.do_bench_cudagraph (events at >= 5 ms); host_us: perf_counter "
+                 "behind torch.cuda._sleep" if gpu else "gpu_us = host_us = perf_counter (no GPU clock)",
+        **progress,
+    }  # fmt: skip
+    served = {n for e in entries for p in e["points"] for n in p["gpu_us"]}
+    return {
+        "schema_version": heuristics.SCHEMA_VERSION, "device": info,
+        "versions": {**heuristics.running_versions(), "python": platform.python_version()},
+        "date": datetime.date.today().isoformat(), "settings": settings,
+        "backends": {n: b.display_name() for n, b in sorted(backends().items()) if n in served},
+        "entries": entries,
+    }  # fmt: skip
 
 
 def case_of(e: dict, m: int) -> Case:
@@ -159,16 +192,24 @@ def format_costs(settings: dict) -> str:
 
 def refit_entries(entries: list[dict], gpu: bool) -> None:
     """Each entry's segments fitted again from its points, in place (on a GPU with its family's host costs,
-    ``plan.pool_host``). A winner must have passed its parity check in the entry, or be eager."""
+    ``plan.pool_host``). A winner, by cost or by GPU time alone, must have passed its parity check in the
+    entry, or be eager: one that has not is rejected at every point of the entry (its timings kept: plain
+    PyTorch stays the speedups' floor) and the fit is redone; one that wins nowhere may be a runner-up."""
     if any("points" not in e for e in entries):
         raise ValueError("the document keeps no raw points (a slim table): refit its raw_points file")
     if gpu:
         pool_host(entries)
     for e in entries:
-        checked = {n for p in e["points"] for n in p.get("err", {})} | {"eager", BASELINE}
-        timed = lambda p, k: {n: v for n, v in p[k].items() if n in checked}  # noqa: E731
-        points = [{**p, "gpu_us": timed(p, "gpu_us"), "host_us": timed(p, "host_us")} for p in e["points"]]
-        e["segments"] = fit(points, preference(e["mode"]))
+        checked = {n for p in e["points"] for n in p.get("err", {})} | {"eager"}
+        order = preference(e["mode"])
+        points: list[Point] = [{**p, "rejected": dict(p.get("rejected", {}))} for p in e["points"]]
+        while True:
+            won = {n for n, _ in runs(points, order=order) + runs(points, order=order, by_gpu=True)} - checked
+            if not won:
+                break
+            for p in points:
+                p["rejected"].update({n: NOT_CHECKED for n in won if n in p["gpu_us"]})
+        e["segments"] = fit(points, order)
 
 
 def refit(doc: dict) -> dict:

@@ -344,7 +344,7 @@ class BiasActDropoutSpec(OpSpec):
 
     def run_case(self, case: Case, leaves: Sequence[Tensor], backend: Optional[str], seed: int) -> Tensor:
         x, b = leaves
-        gen = _generator(case, seed)
+        gen = None if seed is None else _generator(case, seed)
         if backend is None:
             return baseline(x, b, case.activation, case.p)
         return fused_bias_act_dropout(x, b, case.activation, case.p, True, generator=gen, backend=backend)

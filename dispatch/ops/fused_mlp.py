@@ -342,7 +342,7 @@ class FusedMLPSpec(OpSpec):
         p, p_out = (case.p, case.p) if case.dropout else (0.0, 0.0)
         if backend is None:
             return baseline(Block(x, w_in, None, b_in, None, w_out, b_out, case.activation, p, p_out))
-        gen = torch.Generator(device=case.device).manual_seed(seed + 1) if case.dropout else None
+        gen = torch.Generator(device=case.device).manual_seed(seed + 1) if case.dropout and seed is not None else None
         return fused_mlp(x, w_in, b_in, w_out, b_out, case.activation, p, p_out, generator=gen, backend=backend)
 
     def reference_case(self, case: Case, leaves: Sequence[Tensor], seed: int,
