@@ -17,7 +17,7 @@ from dispatch import fused_bias_act_dropout, fused_linear
 from dispatch.ops import bias_act_dropout as bad_spec
 from dispatch.ops import fused_linear as linear_spec
 from dispatch.contracts import rng as dropout_rng
-from dispatch.contracts.op import recovered_keep
+from dispatch.contracts.op import torch_keep
 from dispatch.contracts.tolerances import check
 from dispatch.registry import Backend, Call, backends
 
@@ -105,11 +105,11 @@ def reference_bias_act_dropout(
     x, bias, activation: str, p: float, grad_y, upcast: bool, seed: int, drawn: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
     """The reference's output and gradients with the mask the op draws from a generator seeded ``seed``,
-    or, given ``drawn`` (an output of a backend whose masks are torch's), the mask read back from it."""
+    or, given ``drawn`` (an output of a backend whose masks are torch's), the mask it drew from that
+    generator, replayed."""
     leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (x, bias)]
-    if drawn is not None and p > 0:
-        plain = bad_spec.reference(x.detach().double(), None if bias is None else bias.detach().double(), activation)
-        keep = recovered_keep(drawn.detach().double(), plain)
+    if drawn is not None and p > 0:  # torch's mask: replayed from a generator seeded alike
+        keep = torch_keep(x.shape, x.dtype, x.device, p, generator(x.device, seed))
         y = bad_spec.reference(leaves[0], leaves[1], activation, p, upcast=upcast, keep=keep)
         return y, grads(y, leaves, grad_y)
     rng = dropout_rng.draw_for(x, generator(x.device, seed)) if p > 0 else None  # as the op draws

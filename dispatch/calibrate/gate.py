@@ -29,7 +29,6 @@ class Gates:
     def __init__(self, left: Callable[[], float], cost: dict[str, float]) -> None:
         self.left, self.cost = left, cost
         self.done: dict[tuple[Case, str], Gate] = {}
-        self.notes: dict[str, str] = {}  # "op backend" -> how its checks departed from the case
         self._inputs: Optional[tuple] = None  # (case, inputs, refs, eager)
 
     def gate(self, case: Case, name: str, compiled: bool) -> Gate:
@@ -49,8 +48,6 @@ class Gates:
             except Exception as exc:  # the reference or eager failed here (out of memory): nothing passes
                 self.done[key] = Gate(False, None, timing.describe(exc))
             self.cost[name] += time.monotonic() - start
-            if self.done[key].passed and self.done[key].why:
-                self.notes[f"{case.op} {name}"] = self.done[key].why
         return self.done[key]
 
     def checked(

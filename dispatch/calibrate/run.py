@@ -143,7 +143,6 @@ class Run:
             "families": {f.label: {"spent_s": round(self.spent[f], 1), "series_planned": self.planned[f],
                                    "series_left": left[f]} for f in self.queue},
             "graph_capture_failed": {" ".join(map(str, k)): v for k, v in m.clock.no_graph.items()},
-            "parity_notes": dict(sorted(m.gates.notes.items())),
             **extra, "seconds_by_backend": {n: round(t, 1) for n, t in sorted(m.cost.items())},
             "series_seconds": [log.to_json() for log in m.log],
         }  # fmt: skip

@@ -174,7 +174,8 @@ def differentiable_grads(
     return tuple(next(found) if need and t is not None else None for t, need in zip(inputs, needs))
 
 
-def recovered_keep(y: Tensor, undropped: Tensor) -> Tensor:
-    """A dropout mask read back from an output: kept where y is nonzero or where the undropped value
-    is zero anyway (there the mask changes nothing, forward or backward, for the ops here)."""
-    return (y != 0) | (undropped == 0)
+def torch_keep(shape: Sequence[int], dtype: torch.dtype, device: torch.device, p: float,
+               generator: torch.Generator) -> Tensor:  # fmt: skip
+    """The mask the baseline draws from a caller's generator: bernoulli(1 - p) in the output's dtype,
+    in logical order whatever x's strides; a generator seeded alike replays it (parity checks do)."""
+    return torch.empty(tuple(shape), dtype=dtype, device=device).bernoulli_(1.0 - p, generator=generator)

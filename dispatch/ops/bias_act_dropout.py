@@ -20,7 +20,7 @@ from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS
 from dispatch.contracts.backend import Call, Kernels
 from dispatch.contracts.op import (
-    Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads, recovered_keep,
+    Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads, torch_keep,
 )  # fmt: skip
 from dispatch.contracts.rng import Rng
 
@@ -119,8 +119,7 @@ def baseline(
         return y
     if generator is None:
         return F.dropout(y, p, training=True)
-    keep = y.new_empty(y.shape).bernoulli_(1.0 - p, generator=generator)  # logical order, any strides
-    return y * keep * (1.0 / (1.0 - p))
+    return y * torch_keep(y.shape, y.dtype, y.device, p, generator) * (1.0 / (1.0 - p))
 
 
 def _baseline_backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Any,
@@ -352,11 +351,10 @@ class BiasActDropoutSpec(OpSpec):
     def reference_case(self, case: Case, leaves: Sequence[Tensor], seed: int,
                        drawn: Optional[Tensor] = None) -> Tensor:  # fmt: skip
         x, b = leaves
-        if drawn is not None and case.dropout:
-            plain = reference(x.detach(), b.detach(), case.activation, upcast=True)
-            keep = recovered_keep(drawn.detach(), plain).to(plain.dtype)
-            return reference(x, b, case.activation, case.p, upcast=True, keep=keep)
         gen = _generator(case, seed)
+        if drawn is not None and gen is not None:  # torch's mask: replayed from the run's generator
+            keep = torch_keep(x.shape, case.dtype, x.device, case.p, gen)
+            return reference(x, b, case.activation, case.p, upcast=True, keep=keep)
         rng = dropout_rng.draw_for(x, gen) if gen is not None else None  # as the op draws
         return reference(x, b, case.activation, case.p, rng, upcast=True)
 

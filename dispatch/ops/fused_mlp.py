@@ -22,7 +22,9 @@ from dispatch.contracts import checks
 from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS, GATED_NAMES, GATES
 from dispatch.contracts.backend import Call, Kernels
-from dispatch.contracts.op import Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads
+from dispatch.contracts.op import (
+    Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads, torch_keep,
+)  # fmt: skip
 
 NAME = "fused_mlp"
 TENSORS = ("x", "w_in", "w_up", "b_in", "b_up", "w_out", "b_out")  # the Function's inputs, in order
@@ -181,7 +183,7 @@ def _torch_dropout(t: Tensor, p: float, generator: Optional[torch.Generator]) ->
         return t
     if generator is None:
         return F.dropout(t, p, training=True)
-    return t * t.new_empty(t.shape).bernoulli_(1.0 - p, generator=generator) * (1.0 / (1.0 - p))
+    return t * torch_keep(t.shape, t.dtype, t.device, p, generator) * (1.0 / (1.0 - p))
 
 
 def _baseline_forward(b: Block, rngs: tuple) -> tuple[Tensor, tuple]:
@@ -352,10 +354,11 @@ class FusedMLPSpec(OpSpec):
         block = Block(x, w_in, None, b_in, None, w_out, b_out, case.activation, p, p)
         if not case.dropout:
             return reference(block, upcast=True)
-        if drawn is not None:
-            raise NotImplementedError("a fused_mlp mask of torch's RNG is not read back: two masks, one output")
         gen = torch.Generator(device=case.device).manual_seed(seed + 1)
         m, (h, f) = case.m, case.features
+        if drawn is not None:  # torch's masks: replayed from the run's generator, hidden then output
+            keeps = tuple(torch_keep(s, case.dtype, x.device, p, gen) for s in ((m, f), (m, h)))
+            return reference(block, upcast=True, keeps=keeps)
         rngs = (dropout_rng.draw_for(x, gen, m * f), dropout_rng.draw_for(x, gen, m * h))
         return reference(block, rngs, upcast=True)
 
