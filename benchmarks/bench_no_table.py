@@ -38,7 +38,11 @@ def _bias_act_dropout(act: str, m: int, n: int, p: float, device):
 
 
 def _fused_linear(act: str, m: int, n: int, k: int, device):
-    x, w, b = torch.randn(m, k, device=device), torch.randn(n, k, device=device) / k**0.5, torch.randn(n, device=device)
+    x, w, b = (
+        torch.randn(m, k, device=device),
+        torch.randn(n, k, device=device) / k**0.5,
+        torch.randn(n, device=device),
+    )
     f = ACTIVATIONS[act].forward
     return (x, w, b), (lambda x, w, b: fused_linear(x, w, b, act)), (lambda x, w, b: f(F.linear(x, w, b)))
 
@@ -57,7 +61,11 @@ def _mlp(act: str, m: int, h: int, f: int, p: float, device):
             a = ACTIVATIONS[act].forward(pre)
         return F.linear(F.dropout(a, p), w_out)
 
-    return (x, w_in, b_in, w_out), (lambda x, w_in, b_in, w_out: fused_mlp(x, w_in, b_in, w_out, None, act, p)), composite
+    return (
+        (x, w_in, b_in, w_out),
+        (lambda x, w_in, b_in, w_out: fused_mlp(x, w_in, b_in, w_out, None, act, p)),
+        composite,
+    )
 
 
 def cases(quick: bool, device) -> list[tuple[str, str, str, tuple, object]]:
@@ -66,11 +74,17 @@ def cases(quick: bool, device) -> list[tuple[str, str, str, tuple, object]]:
     for m, n in sizes:
         for act in ACTIVATION_NAMES:
             for p in (0.0, 0.1):
-                out.append(("bias_act_dropout", act, f"{m}x{n} p={p}", _bias_act_dropout(act, m, n, p, device)))
-            out.append(("fused_linear", act, f"{m}x{n}x{n // 4 or 1}", _fused_linear(act, m, n, n // 4 or 1, device)))
+                out.append(
+                    ("bias_act_dropout", act, f"{m}x{n} p={p}", _bias_act_dropout(act, m, n, p, device))
+                )
+            out.append(
+                ("fused_linear", act, f"{m}x{n}x{n // 4 or 1}", _fused_linear(act, m, n, n // 4 or 1, device))
+            )
         for act in ("gelu", "relu", *GATED_NAMES):
             f = max(8, n)
-            out.append(("fused_mlp", act, f"{m}x{n // 4 or 1}x{f} p=0.1", _mlp(act, m, n // 4 or 1, f, 0.1, device)))
+            out.append(
+                ("fused_mlp", act, f"{m}x{n // 4 or 1}x{f} p=0.1", _mlp(act, m, n // 4 or 1, f, 0.1, device))
+            )
     return out
 
 
@@ -86,7 +100,10 @@ def main() -> None:
                 if mode != "forward":
                     with torch.no_grad():
                         grad_y = torch.randn_like(theirs(*inputs))
-                fns = {"op": common.timed(ours, mode, inputs, grad_y), "pytorch": common.timed(theirs, mode, inputs, grad_y)}
+                fns = {
+                    "op": common.timed(ours, mode, inputs, grad_y),
+                    "pytorch": common.timed(theirs, mode, inputs, grad_y),
+                }
                 samples = {n: [] for n in fns}
                 for _ in range(ROUNDS):
                     for name, fn in fns.items():
@@ -97,7 +114,11 @@ def main() -> None:
                 rows.append(dict(op=op, activation=act, shape=shape, mode=mode, op_us=round(op_us, 1),
                                  pytorch_us=round(pt_us, 1), ratio=round(ratio, 3),
                                  overhead_us=round(op_us - pt_us, 1), ok=ok))  # fmt: skip
-        ran_on = {explain("fused_linear", torch.randn(2, 4, device=device), torch.randn(3, 4, device=device)).backend.name}
+        ran_on = {
+            explain(
+                "fused_linear", torch.randn(2, 4, device=device), torch.randn(3, 4, device=device)
+            ).backend.name
+        }
         long_rows = [r for r in rows if r["pytorch_us"] >= LONG_US]
         short = [r["overhead_us"] for r in rows if r["pytorch_us"] < LONG_US]
         summary = {

@@ -30,6 +30,8 @@ from dispatch import ops
 from dispatch.registry import backends
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 @dataclass
 class Row:
     backend: str

@@ -28,9 +28,7 @@ ENV_VAR = "DISPATCH_BACKEND"
 _ARGUMENT, _CONTEXT = "the backend= argument", "use_backend()"  # the other two sources of a request
 _CACHE_LIMIT = 4096
 
-_requested: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
-    "dispatch_backend", default=None
-)
+_requested: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("dispatch_backend", default=None)
 _cache: dict[tuple, "Decision"] = {}
 # The same keys -> what runs such calls: the chosen backend's op module, or what ``prepare`` made of it.
 _impls: dict[tuple, object] = {}
@@ -57,7 +55,9 @@ class Decision:
             name = (self.captured or self.backend).display_name()
             lines.append(f"  while a CUDA graph is captured: {name}, {self.captured_rule}")
         if self.call.dropout:
-            masks = "torch's RNG (as nn.Dropout)" if self.backend.torch_masks else "dispatch.contracts.rng's spec"
+            masks = (
+                "torch's RNG (as nn.Dropout)" if self.backend.torch_masks else "dispatch.contracts.rng's spec"
+            )
             lines.append(f"  dropout mask: {masks}")
         for name, why in self.reasons.items():
             if name != self.backend.name:
@@ -215,11 +215,15 @@ def _first_able(reasons: Mapping[str, list[str]]) -> Optional[str]:
 
 
 def _reasons(call: Call, requested: Optional[str], everyone: Mapping[str, Backend]) -> dict[str, list[str]]:
-    reasons = {name: b.not_supported_reasons(call, explicit=(name == requested)) for name, b in everyone.items()}
+    reasons = {
+        name: b.not_supported_reasons(call, explicit=(name == requested)) for name, b in everyone.items()
+    }
     if _spec_masks and call.dropout:
         for name, b in everyone.items():
             if b.torch_masks and not reasons[name]:
-                reasons[name] = [f"{name} draws dropout masks from torch's RNG; dispatch.spec_masks() asks for the spec's"]
+                reasons[name] = [
+                    f"{name} draws dropout masks from torch's RNG; dispatch.spec_masks() asks for the spec's"
+                ]
     return reasons
 
 
@@ -243,7 +247,9 @@ def decide(call: Call, requested: Optional[str], source: str = "") -> Decision:
         return Decision(call, everyone[first], "empty input: the first able backend returns it", reasons)
     choice = heuristics.lookup(call)
     if choice is None:
-        return Decision(call, everyone[first], f"{heuristics.describe(call.device)}: default {first}", reasons)
+        return Decision(
+            call, everyone[first], f"{heuristics.describe(call.device)}: default {first}", reasons
+        )
     if choice.backend in everyone and not reasons[choice.backend]:
         # only a CUDA call can be captured (and a CPU-only torch cannot even be asked)
         captured, why = capture_pick(choice, reasons) if call.device.type == "cuda" else (None, "")

@@ -32,9 +32,14 @@ def _case_list(backend: str) -> list:
     cases = [(f32, a, "stacked", True, 0.3, 0.2, SHAPES[0]) for a in (*ACTIVATION_NAMES, *GATED_NAMES)]
     cases += [(f32, a, "pair", True, 0.3, 0.0, SHAPES[1]) for a in GATED_NAMES]
     cases += [(d, "gelu_tanh", "stacked", True, 0.1, 0.1, SHAPES[2]) for d in (bf16, f16)]
-    cases += [(bf16, "swiglu", "pair", False, 0.0, 0.0, SHAPES[1]), (f32, "relu", "stacked", False, 0.0, 0.0, SHAPES[2])]
+    cases += [
+        (bf16, "swiglu", "pair", False, 0.0, 0.0, SHAPES[1]),
+        (f32, "relu", "stacked", False, 0.0, 0.0, SHAPES[2]),
+    ]
     return [
-        pytest.param(backend, *c, id=_id(backend, *c[:6], "x".join(map(str, c[6]))), marks=cpu_budget(backend, i < 2))
+        pytest.param(
+            backend, *c, id=_id(backend, *c[:6], "x".join(map(str, c[6]))), marks=cpu_budget(backend, i < 2)
+        )
         for i, c in enumerate(cases)
     ]
 
@@ -91,7 +96,9 @@ def _run(backend, args, activation, p, p_out, device):
 def test_matches_reference(backend, dtype, activation, layout, bias, p, p_out, shape, device):
     args = _inputs(dtype, activation, layout, bias, shape, device)
     x = args[0]
-    call = Call("fused_mlp", x.device, dtype, (math.prod(shape[:-2]), *shape[-2:]), activation, p + p_out > 0, True)
+    call = Call(
+        "fused_mlp", x.device, dtype, (math.prod(shape[:-2]), *shape[-2:]), activation, p + p_out > 0, True
+    )
     require_call(backend, call)
     if torch_masks(backend) and p + p_out > 0:
         p, p_out = 0.0, 0.0  # its masks are torch's: test_torch_masks_drop_at_rate_p checks those
@@ -142,7 +149,10 @@ def test_torch_masks_drop_at_rate_p(p, p_out, device):
 
 def test_gradcheck_with_both_dropouts(device):
     """Masks regenerated in backward: the gradient is the derivative of the same masked function."""
-    args = [t.double() if t is not None else None for t in _inputs(torch.float64, "geglu", "stacked", True, (3, 4, 5), device)]
+    args = [
+        t.double() if t is not None else None
+        for t in _inputs(torch.float64, "geglu", "stacked", True, (3, 4, 5), device)
+    ]
     args = [t.detach().requires_grad_() for t in args]
 
     def op(*tensors):
@@ -156,13 +166,16 @@ def test_gradcheck_with_both_dropouts(device):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(w_in=torch.randn(6, 4)), r"w_in must have shape \(hidden, 5\) to match x's last dimension"),
+        (dict(w_in=torch.randn(6, 4)), r"w_in must have shape \(hidden, 5\) to match x.s last dim"),
         (dict(w_out=torch.randn(5, 7)), r"w_out must have shape \(out_features, 6\)"),
         (dict(activation="swish"), r"activation must be one of identity, .*swiglu, geglu, geglu_tanh, reglu"),
         (dict(p_out=1.5), r"p_out must be a number in \[0, 1\], got 1.5"),
         (dict(b_in=torch.randn(5)), r"b_in must have shape \(6,\)"),
-        (dict(activation="swiglu", w_in=torch.randn(7, 5)), r"w_in must stack \[gate; up\] for 'swiglu'"),
-        (dict(w_in=(torch.randn(6, 5), torch.randn(6, 5))), r"w_in may be a \(gate, up\) pair only for a gated"),
+        (dict(activation="swiglu", w_in=torch.randn(7, 5)), r"w_in must stack \[gate; up\] for .swiglu."),
+        (
+            dict(w_in=(torch.randn(6, 5), torch.randn(6, 5))),
+            r"w_in may be a \(gate, up\) pair only for a gated",
+        ),
     ],
 )
 def test_bad_input_names_the_argument(change, message):
@@ -181,7 +194,11 @@ def test_explain_names_the_block():
 
 
 def test_p_one_drops_everything(device):
-    x, w_in, w_out = torch.randn(4, 5, device=device), torch.randn(6, 5, device=device), torch.randn(5, 6, device=device)
+    x, w_in, w_out = (
+        torch.randn(4, 5, device=device),
+        torch.randn(6, 5, device=device),
+        torch.randn(5, 6, device=device),
+    )
     for p, p_out in ((1.0, 0.0), (0.0, 1.0)):
         y = fused_mlp(x, w_in, None, w_out, None, "relu", p, p_out, backend="eager")
         assert torch.equal(y, torch.zeros_like(y))

@@ -64,7 +64,9 @@ class ScaledAdd(OpSpec):
     )  # fmt: skip
 
     def parse(self, x: object, y: object, scale: object = 2.0) -> ScaledAddCall:  # type: ignore[override]
-        x, _, _, _, _, rows, device, dtype = checks.bias_act_dropout_args(x, None, "identity", 0.0, False, None)
+        x, _, _, _, _, rows, device, dtype = checks.bias_act_dropout_args(
+            x, None, "identity", 0.0, False, None
+        )
         if not isinstance(y, Tensor) or y.shape != x.shape or y.dtype != dtype:
             raise ValueError(f"y must be a tensor of x's shape {tuple(x.shape)} and dtype {dtype}, got {y!r}")
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -102,7 +104,9 @@ class ScaledAdd(OpSpec):
         x, y, grad = (torch.randn(shape, generator=g).to(case.dtype) for _ in range(3))
         return Inputs([x, y], grad, seed)
 
-    def run_case(self, case: Case, leaves: Sequence[Tensor], backend: Optional[str], seed: Optional[int]) -> Tensor:
+    def run_case(
+        self, case: Case, leaves: Sequence[Tensor], backend: Optional[str], seed: Optional[int]
+    ) -> Tensor:
         x, y = leaves
         return torch.add(y, x, alpha=3.0) if backend is None else scaled_add(x, y, 3.0, backend=backend)
 

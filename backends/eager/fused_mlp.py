@@ -67,7 +67,9 @@ def _through(act: Any, grad: Tensor, z: Tensor) -> Tensor:
     return act.backward(grad, z) if act.backward is not None else composed_backward(act, grad, z)
 
 
-def backward(grad_y: Tensor, b: Block, rngs: tuple, saved: tuple, needs: tuple) -> tuple[Optional[Tensor], ...]:
+def backward(
+    grad_y: Tensor, b: Block, rngs: tuple, saved: tuple, needs: tuple
+) -> tuple[Optional[Tensor], ...]:
     (pre,) = saved
     need_x, need_w_in, need_w_up, need_b_in, need_b_up, need_w_out, need_b_out = needs
     dtype, math = b.x.dtype, compute_dtype(b.x.dtype)

@@ -60,7 +60,9 @@ def check_bias(name: str, bias: object, n: int, dtype: torch.dtype, device: torc
         return None
     b = check_like(name, bias, dtype, device)
     if b.shape != (n,):
-        raise ValueError(f"{name} must have shape ({n},) to match the output's last dimension, got {tuple(b.shape)}")
+        raise ValueError(
+            f"{name} must have shape ({n},) to match the output's last dimension, got {tuple(b.shape)}"
+        )
     return b if b.is_contiguous() else b.contiguous()
 
 

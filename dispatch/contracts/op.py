@@ -141,7 +141,9 @@ class OpSpec:
     def inputs(self, case: Case, seed: int) -> Inputs:
         raise NotImplementedError
 
-    def run_case(self, case: Case, leaves: Sequence[Tensor], backend: Optional[str], seed: Optional[int]) -> Tensor:
+    def run_case(
+        self, case: Case, leaves: Sequence[Tensor], backend: Optional[str], seed: Optional[int]
+    ) -> Tensor:
         """The op on ``leaves`` through its public function (``backend=None``: the baseline composite),
         dropout from a generator seeded by ``seed`` (a parity run), or the default one (``seed`` None: a
         timed run, which a CUDA graph can capture; a generator built inside a capture cannot be)."""

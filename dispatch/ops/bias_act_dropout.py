@@ -1,10 +1,7 @@
-"""bias_act_dropout: Dropout(Activation(x + bias)), the op's one room.
-
-In order: the call object and its checks, the kernels every backend implements, the reference and
-baseline math, how a call runs on kernels (inference, torch's autograd, or the autograd Function that
-regenerates the mask in backward), the torch.library custom ops a compiled graph keeps, the public
-function, and the calibration inputs.
-"""
+"""bias_act_dropout: Dropout(Activation(x + bias)), the op's one room. In order: the call object and its
+checks, the kernels' signatures, the reference and baseline math, how a call runs on kernels (inference,
+torch's autograd, or the autograd Function that regenerates the mask in backward), the custom ops a
+compiled graph keeps, the spec with its calibration inputs, and the public function."""
 
 from __future__ import annotations
 
@@ -31,7 +28,8 @@ class BiasActDropoutCall(OpCall):
     __slots__ = ("x", "bias", "activation", "p", "dropout", "generator", "shape", "flat")
 
     def __init__(self, call: Call, x: Tensor, bias: Optional[Tensor], activation: str, p: float,
-                 dropout: bool, generator: Optional[torch.Generator], shape: torch.Size, flat: bool) -> None:  # fmt: skip
+                 dropout: bool, generator: Optional[torch.Generator], shape: torch.Size,
+                 flat: bool) -> None:  # fmt: skip
         self.call = call
         self.special = dropout and p == 1.0  # every element dropped: SPEC.special
         self.x = x  # the caller's x, (..., N)
@@ -60,7 +58,9 @@ def parse(
     grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     call = Call(NAME, device, dtype, shape, activation, dropout and p < 1.0, grad)
     flat = x.dim() == 2
-    return BiasActDropoutCall(call, x, bias, activation, p if dropout else 0.0, dropout, generator, x.shape, flat)
+    return BiasActDropoutCall(
+        call, x, bias, activation, p if dropout else 0.0, dropout, generator, x.shape, flat
+    )
 
 
 def rows(c: BiasActDropoutCall) -> Tensor:
@@ -122,13 +122,16 @@ def baseline(
     return y * torch_keep(y.shape, y.dtype, y.device, p, generator) * (1.0 / (1.0 - p))
 
 
-def _baseline_backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Any,
-                       need_x: bool, need_bias: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:  # fmt: skip
+def _baseline_backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, p: float,
+                       rng: Any, need_x: bool, need_bias: bool) -> tuple[Optional[Tensor], ...]:  # fmt: skip
     """The baseline's backward where it can be a separate call: without dropout (a torch-RNG mask
     is kept by autograd, never regenerated, so such calls run under torch's autograd only)."""
     if p != 0.0:
         raise RuntimeError("the pytorch backend's dropout mask is torch's: its backward is autograd's")
-    leaves = [t.detach().requires_grad_(need) if t is not None else None for t, need in ((x, need_x), (bias, need_bias))]
+    leaves = [
+        t.detach().requires_grad_(need) if t is not None else None
+        for t, need in ((x, need_x), (bias, need_bias))
+    ]
     with torch.enable_grad():
         y = baseline(leaves[0], leaves[1], activation, 0.0)
     wanted = [t for t in leaves if t is not None and t.requires_grad]
@@ -138,7 +141,11 @@ def _baseline_backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activa
 
 
 BASELINE_KERNELS = Kernels(
-    forward=baseline, backward=_baseline_backward, inference=baseline, autograd=lambda a: True, masks="torch",
+    forward=baseline,
+    backward=_baseline_backward,
+    inference=baseline,
+    autograd=lambda a: True,
+    masks="torch",
     any_shape=True,
 )
 
@@ -237,7 +244,13 @@ def _kernels(x: Tensor, activation: str, dropout: bool, training: bool, backend:
 
 @torch.library.custom_op("fusedispatch::bias_act_dropout", mutates_args=())
 def _custom(
-    x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Tensor], backend: str, training: bool
+    x: Tensor,
+    bias: Optional[Tensor],
+    activation: str,
+    p: float,
+    rng: Optional[Tensor],
+    backend: str,
+    training: bool,
 ) -> Tensor:
     kernels = _kernels(x, activation, rng is not None, training, backend)
     return kernels.forward(x, bias, activation, p, rng if kernels.masks == "spec" else None)
@@ -250,7 +263,8 @@ def _(x, bias, activation, p, rng, backend, training):
 
 @torch.library.custom_op("fusedispatch::bias_act_dropout_backward", mutates_args=())
 def _custom_backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, p: float,
-                     rng: Optional[Tensor], need_x: bool, need_bias: bool, backend: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+                     rng: Optional[Tensor], need_x: bool, need_bias: bool,
+                     backend: str) -> tuple[Tensor, Tensor]:  # fmt: skip
     kernels = _kernels(x, activation, rng is not None, True, backend)
     grad_x, grad_bias = kernels.backward(grad_y, x, bias, activation, p, rng, need_x, need_bias)
     return _empty_if_none(grad_x, x), _empty_if_none(grad_bias, x)
@@ -380,21 +394,15 @@ def fused_bias_act_dropout(
 
     x: (..., N) dense floating tensor; bias: (N,) or None, x's dtype and device. activation: one of
     ``dispatch.ACTIVATION_NAMES``. p: a real number in [0, 1]; training: a bool (numpy's too).
-    Dropout follows ``dispatch.contracts.rng``'s spec on every backend but ``pytorch``, whose mask is
-    torch's (as ``nn.Dropout``'s; ``dispatch.spec_masks()`` keeps it off dropout calls): a 16-bit
-    threshold, so the realized drop probability is within 1/131072 of p and kept values are scaled to
-    preserve the mean exactly; the mask is regenerated in backward, never stored. ``p == 1`` in
-    training drops everything as ``F.dropout`` does (zeros; NaN and inf inputs give NaN).
-    ``training=False``, ``p == 0`` or ``p == 1`` draws no random numbers. ``backend`` forces a
-    backend (see ``dispatch.explain``). Under ``torch.compile`` with no backend requested and no
-    ``generator``, the op is traced as plain PyTorch so that inductor fuses it with its neighbours.
-
-    Differentiable twice: a backward with ``create_graph=True`` differentiates the reference with the
-    forward's mask, so its gradients carry their own graph, whatever the backend.
+    Dropout follows ``dispatch.contracts.rng``'s spec (regenerated in backward, never stored) on every
+    backend but ``pytorch``, whose mask is torch's, as ``nn.Dropout``'s (``dispatch.spec_masks()``
+    keeps dropout calls off it). ``p == 1`` in training drops everything as ``F.dropout`` does.
+    ``backend`` forces a backend (see ``dispatch.explain``). Under ``torch.compile`` with no backend
+    requested the op traces as plain PyTorch, which inductor fuses with its neighbours.
+    Differentiable twice: a backward with ``create_graph=True`` differentiates the reference.
 
     Equivalent PyTorch::
 
         F.dropout(act(x + bias), p, training)   # up to the choice of random bits
     """
     return ops.dispatcher().run(SPEC, parse(x, bias, activation, p, training, generator=generator), backend)
-

@@ -76,7 +76,9 @@ def inference_of(forward: Callable[..., tuple[Tensor, Any]]) -> Callable[..., Te
     return inference
 
 
-def reference(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, upcast: bool = False) -> Tensor:
+def reference(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, upcast: bool = False
+) -> Tensor:
     """The definition, differentiable, on (..., K) inputs; float64 when ``upcast``, else x's dtype."""
     dtype = torch.float64 if upcast else x.dtype
     b = None if bias is None else bias.to(dtype)
@@ -115,18 +117,24 @@ def backward_from_pre(
     return grad_x, grad_w, grad_b
 
 
-def _baseline_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> tuple[Tensor, None]:
+def _baseline_forward(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str
+) -> tuple[Tensor, None]:
     return baseline(x, weight, bias, activation), None
 
 
-def _baseline_backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], saved: Optional[Tensor],
-                       activation: str, needs: tuple[bool, bool, bool]) -> tuple:  # fmt: skip
+def _baseline_backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                       saved: Optional[Tensor], activation: str, needs: Needs) -> Grads:  # fmt: skip
     return backward_from_pre(grad_y, x, weight, bias, None, activation, needs)
 
 
 BASELINE_KERNELS = Kernels(
-    forward=_baseline_forward, backward=_baseline_backward, inference=baseline, autograd=lambda a: True,
-    masks="torch", any_shape=True,
+    forward=_baseline_forward,
+    backward=_baseline_backward,
+    inference=baseline,
+    autograd=lambda a: True,
+    masks="torch",
+    any_shape=True,
 )
 
 
@@ -141,7 +149,11 @@ class FusedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_y):  # type: ignore[override]
         x, weight, bias, saved = ctx.saved_tensors
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and bias is not None)
+        needs = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            ctx.needs_input_grad[2] and bias is not None,
+        )
         activation = ctx.activation
         if torch.is_grad_enabled():  # create_graph=True: ``saved`` has no graph; the reference has
             dtype = compute_dtype(x.dtype)
@@ -199,7 +211,9 @@ def _empty_if_none(t: Optional[Tensor], like: Tensor) -> Tensor:
 
 
 def _kernels(x: Tensor, weight: Tensor, activation: str, training: bool, backend: str) -> Kernels:
-    call = Call(NAME, x.device, x.dtype, (x.shape[0], weight.shape[0], x.shape[1]), activation, False, training)
+    call = Call(
+        NAME, x.device, x.dtype, (x.shape[0], weight.shape[0], x.shape[1]), activation, False, training
+    )
     return ops.dispatcher().kernels(call, backend or None)
 
 
@@ -223,7 +237,8 @@ def _(x, weight, bias, activation, backend, training):
 
 @torch.library.custom_op("fusedispatch::fused_linear_backward", mutates_args=())
 def _custom_backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], saved: Tensor,
-                     activation: str, needs: list[bool], backend: str) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                     activation: str, needs: list[bool],
+                     backend: str) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     kernels = _kernels(x, weight, activation, True, backend)
     kept = None if saved.numel() == 0 and activation == "identity" else saved
     grads = kernels.backward(grad_y, x, weight, bias, kept, activation, tuple(needs))
@@ -299,7 +314,9 @@ class FusedLinearSpec(OpSpec):
         assert isinstance(c, FusedLinearCall)
         if inline:
             return baseline(c.x, c.weight, c.bias, c.activation)
-        return _custom(rows(c), c.weight, c.bias, c.activation, backend or "", c.call.training)[0].view(c.out_shape)
+        return _custom(rows(c), c.weight, c.bias, c.activation, backend or "", c.call.training)[0].view(
+            c.out_shape
+        )
 
     def reference(self, c: OpCall, upcast: bool = False) -> Tensor:
         assert isinstance(c, FusedLinearCall)

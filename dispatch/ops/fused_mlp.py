@@ -52,18 +52,19 @@ class Block(NamedTuple):
 
 
 class FusedMLPCall(OpCall):
-    __slots__ = ("block", "generator", "out_shape")
+    __slots__ = ("block", "generator", "out_shape", "flat")
 
     def __init__(self, call: Call, block: Block, generator: Optional[torch.Generator],
-                 out_shape: tuple[int, ...]) -> None:  # fmt: skip
+                 out_shape: tuple[int, ...], flat: bool) -> None:  # fmt: skip
         super().__init__(call, block.p == 1.0 or block.p_out == 1.0)  # every element dropped: SPEC.special
         self.block, self.generator, self.out_shape = block, generator, out_shape
+        self.flat = flat  # x is (M, H) itself: the output needs no view
 
 
 def _pair(name: str, value: object) -> tuple[object, object]:
     if isinstance(value, (tuple, list)):
         if len(value) != 2:
-            raise ValueError(f"{name} must be a tensor or a (gate, up) pair of tensors, got {len(value)} items")
+            raise ValueError(f"{name} must be a tensor or a (gate, up) pair, got {len(value)} items")
         return value[0], value[1]
     return value, None
 
@@ -92,17 +93,17 @@ def parse(
     w_in, w_up = _pair("w_in", w_in)
     w_in = checks.check_like("w_in", w_in, dtype, device)
     if w_in.dim() != 2 or w_in.shape[1] != h:
-        raise ValueError(f"w_in must have shape (hidden, {h}) to match x's last dimension, got {tuple(w_in.shape)}")
+        raise ValueError(f"w_in must have shape (hidden, {h}) to match x's last dim, got {tuple(w_in.shape)}")
     if w_up is not None:
         if not gated:
             raise ValueError(f"w_in may be a (gate, up) pair only for a gated activation, not {activation!r}")
         w_up = checks.check_like("w_up", w_up, dtype, device)
         if w_up.shape != w_in.shape:
-            raise ValueError(f"w_in's up weight must have the gate's shape {tuple(w_in.shape)}, got {tuple(w_up.shape)}")
+            raise ValueError(f"w_up must have the gate's shape {tuple(w_in.shape)}, got {tuple(w_up.shape)}")
         f = w_in.shape[0]
     elif gated:
         if w_in.shape[0] % 2:
-            raise ValueError(f"w_in must stack [gate; up] for {activation!r}: an even row count, got {w_in.shape[0]}")
+            raise ValueError(f"w_in must stack [gate; up] for {activation!r}: even rows, got {w_in.shape[0]}")
         f = w_in.shape[0] // 2
     else:
         f = w_in.shape[0]
@@ -113,18 +114,21 @@ def parse(
     b_up = checks.check_bias("b_up", b_up, f, dtype, device)
     w_out = checks.check_like("w_out", w_out, dtype, device)
     if w_out.dim() != 2 or w_out.shape[1] != f:
-        raise ValueError(f"w_out must have shape (out_features, {f}) to match the hidden size, got {tuple(w_out.shape)}")
+        raise ValueError(f"w_out must have shape (out_features, {f}) for hidden {f}, got {list(w_out.shape)}")
     b_out = checks.check_bias("b_out", b_out, w_out.shape[0], dtype, device)
     p, p_out = checks.check_p(p, "p"), checks.check_p(p_out, "p_out")
     training = checks.check_training(training)
     checks.check_generator(generator, device)
     p, p_out = (p, p_out) if training else (0.0, 0.0)
-    rows = x if x.dim() == 2 else x.reshape(m, h)
-    tensors = (x, w_in, w_up, b_in, b_up, w_out, b_out)
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    flat = x.dim() == 2
+    rows = x if flat else x.reshape(m, h)
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad or w_in.requires_grad or w_out.requires_grad
+        or any(t is not None and t.requires_grad for t in (w_up, b_in, b_up, b_out))
+    )  # fmt: skip
     call = Call(NAME, device, dtype, (m, h, f), activation, p > 0 or p_out > 0, grad)
     block = Block(rows, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
-    return FusedMLPCall(call, block, generator, (*x.shape[:-1], w_out.shape[0]))  # type: ignore[arg-type]
+    return FusedMLPCall(call, block, generator, (*x.shape[:-1], w_out.shape[0]), flat)
 
 
 # A backend's ``Kernels`` (dispatch.contracts.backend) for this op. ``rngs`` is (rng_hidden, rng_out),
@@ -186,10 +190,6 @@ def _torch_dropout(t: Tensor, p: float, generator: Optional[torch.Generator]) ->
     return t * torch_keep(t.shape, t.dtype, t.device, p, generator) * (1.0 / (1.0 - p))
 
 
-def _baseline_forward(b: Block, rngs: tuple) -> tuple[Tensor, tuple]:
-    return baseline(b, rngs[0]), ()
-
-
 def _baseline_backward(grad_y: Tensor, b: Block, rngs: tuple, saved: tuple, needs: tuple) -> tuple:
     """Without dropout only: a torch-RNG mask is kept by autograd, never regenerated."""
     if b.p or b.p_out:
@@ -207,9 +207,9 @@ def _grads_of(fn: Callable[[Block], Tensor], b: Block, needs: tuple, grad_y: Ten
 
 
 BASELINE_KERNELS = Kernels(
-    forward=_baseline_forward, backward=_baseline_backward, inference=lambda b, rngs: baseline(b, rngs[0]),
-    autograd=lambda a: True, masks="torch",
-)
+    forward=lambda b, rngs: (baseline(b, rngs[0]), ()), backward=_baseline_backward,
+    inference=lambda b, rngs: baseline(b, rngs[0]), autograd=lambda a: True, masks="torch",
+)  # fmt: skip
 
 
 def _cast(b: Block, dtype: torch.dtype) -> Block:
@@ -233,7 +233,7 @@ class FusedMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_y):  # type: ignore[override]
         kept = ctx.saved_tensors
-        tensors, saved = kept[: len(TENSORS)], kept[len(TENSORS):]
+        tensors, saved = kept[: len(TENSORS)], kept[len(TENSORS) :]
         block = Block(*tensors, *ctx.settings)
         needs = tuple(ctx.needs_input_grad[3:])
         if torch.is_grad_enabled():  # create_graph=True: the reference, same masks
@@ -263,14 +263,15 @@ def runner(kernels: Kernels, call: Call) -> Callable[[FusedMLPCall], Tensor]:
 
         def direct(c: FusedMLPCall) -> Tensor:
             y = kernels.forward(c.block, draw(c))[0] if training else kernels.inference(c.block, draw(c))
-            return y.view(c.out_shape)
+            return y if c.flat else y.view(c.out_shape)
 
         return direct
     apply = FusedMLP.apply
 
     def with_function(c: FusedMLPCall) -> Tensor:
         b = c.block
-        return apply(kernels, b[7:], draw(c), *b.tensors).view(c.out_shape)
+        y = apply(kernels, b[7:], draw(c), *b.tensors)
+        return y if c.flat else y.view(c.out_shape)
 
     return with_function
 
@@ -287,8 +288,10 @@ class FusedMLPSpec(OpSpec):
     grid = Grid(
         features=((768, 3072), (1024, 4096), (896, 4864), (4096, 11008)),  # GPT-2, BERT-large, Qwen2, LLaMA-2
         quick={"cuda": ((768, 3072), (4096, 11008)), "cpu": ((64, 256),)},
-        classes=(("gelu_tanh", "gelu", "silu", "relu", "identity", "leaky_relu", "squared_relu"),
-                 ("swiglu", "geglu", "geglu_tanh", "reglu")),  # fmt: skip
+        classes=(
+            ("gelu_tanh", "gelu", "silu", "relu", "identity", "leaky_relu", "squared_relu"),
+            ("swiglu", "geglu", "geglu_tanh", "reglu"),
+        ),  # fmt: skip
         gemm=True,
         check_work=2**34,
         families=(("training", False), ("training", True), ("inference", False)),
@@ -344,8 +347,14 @@ class FusedMLPSpec(OpSpec):
         p, p_out = (case.p, case.p) if case.dropout else (0.0, 0.0)
         if backend is None:
             return baseline(Block(x, w_in, None, b_in, None, w_out, b_out, case.activation, p, p_out))
-        gen = torch.Generator(device=case.device).manual_seed(seed + 1) if case.dropout and seed is not None else None
-        return fused_mlp(x, w_in, b_in, w_out, b_out, case.activation, p, p_out, generator=gen, backend=backend)
+        gen = (
+            torch.Generator(device=case.device).manual_seed(seed + 1)
+            if case.dropout and seed is not None
+            else None
+        )
+        return fused_mlp(
+            x, w_in, b_in, w_out, b_out, case.activation, p, p_out, generator=gen, backend=backend
+        )
 
     def reference_case(self, case: Case, leaves: Sequence[Tensor], seed: int,
                        drawn: Optional[Tensor] = None) -> Tensor:  # fmt: skip
