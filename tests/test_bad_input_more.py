@@ -35,6 +35,20 @@ def _jagged(rows):
     return torch.nested.nested_tensor([torch.randn(r, rows[-1]) for r in rows[:-1]], layout=torch.jagged)
 
 
+def _x_layouts(features: int) -> dict:
+    """x in a layout no backend indexes: sparse COO and CSR, nested strided and jagged."""
+    return {
+        "x-sparse-coo": (dict(x=lambda: torch.randn(4, features).to_sparse()), TypeError,
+                         DENSE.format("x") + r"layout torch\.sparse_coo"),
+        "x-sparse-csr": (dict(x=lambda: torch.randn(4, features).to_sparse_csr()), TypeError,
+                         DENSE.format("x") + r"layout torch\.sparse_csr"),
+        "x-nested": (dict(x=lambda: _nested((2, 3, features))), TypeError,
+                     DENSE.format("x") + r"a nested tensor \(layout torch\.strided\)"),
+        "x-jagged": (dict(x=lambda: _jagged((2, 3, features))), TypeError,
+                     DENSE.format("x") + r"a nested tensor \(layout torch\.jagged\)"),
+    }  # fmt: skip
+
+
 DENSE = r"{} must be a dense \(strided\) torch\.Tensor, got "
 BAD_BIAS_ACT_DROPOUT = {  # name: (builders of kwargs over the call (x, bias, "gelu", 0.1), error, match)
     "activation-list": (
@@ -52,26 +66,7 @@ BAD_BIAS_ACT_DROPOUT = {  # name: (builders of kwargs over the call (x, bias, "g
         ValueError,
         r"activation must be one of .*; got \{'gelu'\}",
     ),
-    "x-sparse-coo": (
-        dict(x=lambda: torch.randn(4, N).to_sparse()),
-        TypeError,
-        DENSE.format("x") + r"layout torch\.sparse_coo",
-    ),
-    "x-sparse-csr": (
-        dict(x=lambda: torch.randn(4, N).to_sparse_csr()),
-        TypeError,
-        DENSE.format("x") + r"layout torch\.sparse_csr",
-    ),
-    "x-nested": (
-        dict(x=lambda: _nested((2, 3, N))),
-        TypeError,
-        DENSE.format("x") + r"a nested tensor \(layout torch\.strided\)",
-    ),
-    "x-jagged": (
-        dict(x=lambda: _jagged((2, 3, N))),
-        TypeError,
-        DENSE.format("x") + r"a nested tensor \(layout torch\.jagged\)",
-    ),
+    **_x_layouts(N),
     "bias-sparse-coo": (
         dict(bias=lambda: torch.randn(N).to_sparse()),
         TypeError,
@@ -142,26 +137,7 @@ BAD_FUSED_LINEAR = {  # name: (builders of kwargs over the call (x, weight, bias
         ValueError,
         r"activation must be one of .*; got \{'gelu': 'tanh'\}",
     ),
-    "x-sparse-coo": (
-        dict(x=lambda: torch.randn(4, K).to_sparse()),
-        TypeError,
-        DENSE.format("x") + r"layout torch\.sparse_coo",
-    ),
-    "x-sparse-csr": (
-        dict(x=lambda: torch.randn(4, K).to_sparse_csr()),
-        TypeError,
-        DENSE.format("x") + r"layout torch\.sparse_csr",
-    ),
-    "x-nested": (
-        dict(x=lambda: _nested((2, 3, K))),
-        TypeError,
-        DENSE.format("x") + r"a nested tensor \(layout torch\.strided\)",
-    ),
-    "x-jagged": (
-        dict(x=lambda: _jagged((2, 3, K))),
-        TypeError,
-        DENSE.format("x") + r"a nested tensor \(layout torch\.jagged\)",
-    ),
+    **_x_layouts(K),
     "weight-sparse-coo": (
         dict(weight=lambda: torch.randn(N, K).to_sparse()),
         TypeError,

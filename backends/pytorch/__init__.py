@@ -10,21 +10,11 @@ dropout calls off it).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from dispatch import ops
 from dispatch.contracts.activations import ACTIVATION_NAMES, GATED_NAMES
-from dispatch.contracts.backend import Backend, Kernels
-
-
-def _from_spec(op: str) -> Optional[Kernels]:
-    try:
-        return ops.get(op).baseline_kernels()
-    except ValueError:
-        return None
-
+from dispatch.contracts.backend import Backend
 
 BACKEND = Backend(
     name="pytorch",
@@ -34,6 +24,6 @@ BACKEND = Backend(
     activations=frozenset((*ACTIVATION_NAMES, *GATED_NAMES)),
     deterministic=True,
     summary="the plain PyTorch composite a user writes (torch's dropout RNG)",
-    generic=_from_spec,
+    generic=ops.baseline_kernels,
     torch_masks=True,
 )

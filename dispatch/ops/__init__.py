@@ -13,7 +13,7 @@ from typing import Any, Optional, Protocol
 
 from torch import Tensor
 
-from dispatch.contracts.backend import Call
+from dispatch.contracts.backend import Call, Kernels
 from dispatch.contracts.op import OpCall, OpSpec
 
 # The package's own ops, imported on first use (importing dispatch loads no spec it does not call).
@@ -50,6 +50,24 @@ def names() -> tuple[str, ...]:
 
 def all_specs() -> list[OpSpec]:
     return [get(n) for n in names()]
+
+
+def baseline_kernels(op: str) -> Optional[Kernels]:
+    """The spec's baseline as kernels (the pytorch backend serves every op so), None for no such op."""
+    return _specs_kernels(op, "baseline")
+
+
+def reference_kernels(op: str) -> Optional[Kernels]:
+    """The spec's reference as kernels, for the eager backend where it has no kernel file of the op."""
+    return _specs_kernels(op, "reference")
+
+
+def _specs_kernels(op: str, which: str) -> Optional[Kernels]:
+    try:
+        spec = get(op)
+    except ValueError:
+        return None
+    return spec.baseline_kernels() if which == "baseline" else spec.reference_kernels()
 
 
 class Dispatcher(Protocol):

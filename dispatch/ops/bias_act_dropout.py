@@ -141,13 +141,9 @@ def _baseline_backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activa
 
 
 BASELINE_KERNELS = Kernels(
-    forward=baseline,
-    backward=_baseline_backward,
-    inference=baseline,
-    autograd=lambda a: True,
-    masks="torch",
-    any_shape=True,
-)
+    forward=baseline, backward=_baseline_backward, inference=baseline, autograd=lambda a: True,
+    masks="torch", any_shape=True,
+)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- running on kernels

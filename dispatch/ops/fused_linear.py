@@ -129,13 +129,9 @@ def _baseline_backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional
 
 
 BASELINE_KERNELS = Kernels(
-    forward=_baseline_forward,
-    backward=_baseline_backward,
-    inference=baseline,
-    autograd=lambda a: True,
-    masks="torch",
-    any_shape=True,
-)
+    forward=_baseline_forward, backward=_baseline_backward, inference=baseline, autograd=lambda a: True,
+    masks="torch", any_shape=True,
+)  # fmt: skip
 
 
 class FusedLinear(torch.autograd.Function):
