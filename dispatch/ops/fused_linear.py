@@ -282,6 +282,8 @@ class FusedLinearSpec(OpSpec):
             (28672, 8192),  # LLaMA-2/3-70B up
             (1536, 384),  # MiniLM / DeiT-S up
             (512, 2048),  # T5-small down: the one N below 768
+            (1024, 1024),  # N <= 1536 with K 576-2048: triton's GPU time won by 8-29% there off the grid
+            (16384, 1024),  # wide, shallow: relu inference off the grid went to eager, cuBLASLt 24-32% faster
         ),
         quick={"cuda": ((3072, 768), (11008, 4096)), "cpu": ((3072, 768), (768, 3072))},
         # relu is a class of its own: triton and cublaslt keep its output and run it in cuBLASLt's
