@@ -93,6 +93,18 @@ def generator(device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def op_rng(device, seed: int = 1234) -> torch.Tensor:
+    """The [seed, offset] pair the public op draws from a generator seeded ``seed``."""
+    return dropout_rng.draw(torch.device(device), torch.Generator(device=device).manual_seed(seed))
+
+
+def bias_act_inputs(shape, dtype, device, bias=True):
+    """x (scaled by 2), bias (N) or None, and grad_y, in ``dtype``."""
+    x = torch.randn(shape, device=device).mul_(2).to(dtype)
+    b = torch.randn(shape[-1], device=device).to(dtype) if bias else None
+    return x, b, torch.randn(shape, device=device).to(dtype)
+
+
 def run_bias_act_dropout(
     backend: str, x, bias, activation: str, p: float, grad_y, seed: int
 ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:

@@ -22,6 +22,35 @@ def _x(shape=(4, N)):
 
 ACTIVATION_LIST = re.escape(", ".join(ACTIVATION_NAMES))
 
+
+def _bad_bias(other_dtype: torch.dtype) -> dict:
+    """The bias cases both ops check alike (x float32 on the CPU, N outputs): not a tensor, another
+    floating dtype (``other_dtype``), another device, a shape other than (N,)."""
+    return {
+        "bias-list": (dict(bias=[0.0] * N), TypeError, r"bias must be a torch\.Tensor, got list"),
+        "bias-dtype": (
+            dict(bias=torch.ones(N, dtype=other_dtype)),
+            TypeError,
+            rf"bias must have x's dtype torch\.float32, got {re.escape(str(other_dtype))}",
+        ),
+        "bias-device": (
+            dict(bias=torch.ones(N, device="meta")),
+            ValueError,
+            r"bias must be on x's device cpu, got meta",
+        ),
+        "bias-2d": (
+            dict(bias=torch.ones(1, N)),
+            ValueError,
+            rf"bias must have shape \({N},\).*got \(1, {N}\)",
+        ),
+        "bias-column": (
+            dict(bias=torch.ones(N, 1)),
+            ValueError,
+            rf"bias must have shape \({N},\).*got \({N}, 1\)",
+        ),
+    }
+
+
 BAD_BIAS_ACT_DROPOUT = {  # name: (kwargs over the valid call (x, bias, "gelu", 0.1), error, match)
     "x-list": (dict(x=[1.0, 2.0]), TypeError, r"x must be a torch\.Tensor, got list"),
     "x-int": (
@@ -35,32 +64,16 @@ BAD_BIAS_ACT_DROPOUT = {  # name: (kwargs over the valid call (x, bias, "gelu", 
         r"x must have a floating dtype.*got torch\.bool",
     ),
     "x-0d": (dict(x=torch.tensor(1.0)), ValueError, r"x must have at least one dimension"),
-    "bias-list": (dict(bias=[0.0] * N), TypeError, r"bias must be a torch\.Tensor, got list"),
+    **_bad_bias(torch.float64),
     "bias-int": (
         dict(bias=torch.ones(N, dtype=torch.int32)),
         TypeError,
         r"bias must have a floating dtype.*torch\.int32",
     ),
-    "bias-dtype": (
-        dict(bias=torch.ones(N, dtype=torch.float64)),
-        TypeError,
-        r"bias must have x's dtype torch\.float32, got torch\.float64",
-    ),
-    "bias-device": (
-        dict(bias=torch.ones(N, device="meta")),
-        ValueError,
-        r"bias must be on x's device cpu, got meta",
-    ),
     "bias-long": (
         dict(bias=torch.ones(N + 1)),
         ValueError,
         rf"bias must have shape \({N},\).*got \({N + 1},\)",
-    ),
-    "bias-2d": (dict(bias=torch.ones(1, N)), ValueError, rf"bias must have shape \({N},\).*got \(1, {N}\)"),
-    "bias-column": (
-        dict(bias=torch.ones(N, 1)),
-        ValueError,
-        rf"bias must have shape \({N},\).*got \({N}, 1\)",
     ),
     "p-negative": (dict(p=-0.1), ValueError, r"p must be a number in \[0, 1\], got -0\.1"),
     "p-above-one": (dict(p=1.0 + 1e-9), ValueError, r"p must be a number in \[0, 1\], got 1\.000000001"),
@@ -144,24 +157,8 @@ BAD_FUSED_LINEAR = {  # name: (kwargs over the valid call (x, weight, bias, "gel
         ValueError,
         rf"weight must have shape \(out_features, {K}\)",
     ),
-    "bias-list": (dict(bias=[0.0] * N), TypeError, r"bias must be a torch\.Tensor, got list"),
-    "bias-dtype": (
-        dict(bias=torch.ones(N, dtype=torch.float16)),
-        TypeError,
-        r"bias must have x's dtype torch\.float32, got torch\.float16",
-    ),
-    "bias-device": (
-        dict(bias=torch.ones(N, device="meta")),
-        ValueError,
-        r"bias must be on x's device cpu, got meta",
-    ),
+    **_bad_bias(torch.float16),
     "bias-shape": (dict(bias=torch.ones(K)), ValueError, rf"bias must have shape \({N},\).*got \({K},\)"),
-    "bias-2d": (dict(bias=torch.ones(1, N)), ValueError, rf"bias must have shape \({N},\).*got \(1, {N}\)"),
-    "bias-column": (
-        dict(bias=torch.ones(N, 1)),
-        ValueError,
-        rf"bias must have shape \({N},\).*got \({N}, 1\)",
-    ),
     "activation": (
         dict(activation="GELU"),
         ValueError,

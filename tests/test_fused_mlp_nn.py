@@ -21,8 +21,7 @@ from dispatch.contracts.activations import GATES
 from dispatch.contracts.tolerances import check
 from dispatch.nn import FusedLinear, FusedMLP
 from dispatch.ops import fused_mlp as mlp_spec
-
-NO_TRANSFORMERS = "transformers is not installed (pip install transformers): Hugging Face models not tested"
+from patch_checks import NO_TRANSFORMERS, LastHidden
 
 
 def _reference(module: FusedMLP, x: torch.Tensor, upcast: bool) -> torch.Tensor:
@@ -184,17 +183,6 @@ def test_compiles_fullgraph():
 # ----------------------------------------------------------------------------- patch: Hugging Face
 
 
-class _Output(nn.Module):
-    """A Hugging Face model's last hidden state as one tensor."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x).last_hidden_state
-
-
 def _build(family: str, pdrop: float) -> nn.Module:
     tf = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
     size = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 48,
@@ -205,18 +193,18 @@ def _build(family: str, pdrop: float) -> nn.Module:
         config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
                                resid_pdrop=pdrop, embd_pdrop=pdrop, attn_pdrop=pdrop, bos_token_id=0,
                                eos_token_id=0, initializer_range=0.3)  # fmt: skip
-        return _Output(tf.GPT2Model(config))
+        return LastHidden(tf.GPT2Model(config))
     if family in ("bert", "vit"):
         drops = {"hidden_dropout_prob": pdrop, "attention_probs_dropout_prob": pdrop}
         if family == "bert":
-            return _Output(tf.BertModel(tf.BertConfig(**text, **drops)))
-        return _Output(tf.ViTModel(tf.ViTConfig(**size, **drops, image_size=16, patch_size=8)))
+            return LastHidden(tf.BertModel(tf.BertConfig(**text, **drops)))
+        return LastHidden(tf.ViTModel(tf.ViTConfig(**size, **drops, image_size=16, patch_size=8)))
     if family.startswith("llama"):
         extra = {"hidden_act": "gelu_pytorch_tanh", "mlp_bias": True} if family == "llama_geglu_bias" else {}
-        return _Output(tf.LlamaModel(tf.LlamaConfig(**decoder, **extra)))
+        return LastHidden(tf.LlamaModel(tf.LlamaConfig(**decoder, **extra)))
     names = {"mistral": ("MistralModel", "MistralConfig"), "qwen2": ("Qwen2Model", "Qwen2Config")}
     model, config = names[family]
-    return _Output(getattr(tf, model)(getattr(tf, config)(**decoder)))
+    return LastHidden(getattr(tf, model)(getattr(tf, config)(**decoder)))
 
 
 # family -> (the blocks patch replaces in a layer, FusedMLP's activation (None: fused per linear), whether

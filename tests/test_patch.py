@@ -15,19 +15,11 @@ from torch import nn
 from dispatch import patch
 from dispatch.nn import FusedBiasActDropout, FusedLinear, FusedMLP
 from dispatch.patch import activation_name
-from dispatch.contracts.tolerances import ATOL, RTOL
-
-NO_TRANSFORMERS = "transformers is not installed (pip install transformers): Hugging Face models not tested"
+from patch_checks import NO_TRANSFORMERS, assert_same
 
 
 def _transformers():
     return pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
-
-
-def _assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Within the dtype's tolerance, relative to the output's scale (dispatch/contracts/tolerances.py)."""
-    scale = float(want.detach().abs().max())
-    torch.testing.assert_close(got, want, rtol=0, atol=ATOL[want.dtype] + RTOL[want.dtype] * scale)
 
 
 # ----------------------------------------------------------------------------- plain torch
@@ -76,11 +68,11 @@ def test_sequential_same_function_without_dropout(train):
     patch(patched)
     x = torch.randn(5, 7, 16, requires_grad=True)
     y0, y1 = original(x), patched(x)
-    _assert_same(y1, y0)
+    assert_same(y1, y0)
     g = torch.randn_like(y0)
     (g0,) = torch.autograd.grad(y0, x, g)
     (g1,) = torch.autograd.grad(y1, x, g)
-    _assert_same(g1, g0)
+    assert_same(g1, g0)
 
 
 def test_sequential_training_dropout_runs_through_fused_module():
@@ -118,7 +110,7 @@ def test_where_a_linear_dropout_run_keeps_its_bias(bias_in_linear):
     assert model[3].bias is not None and torch.equal(model[3].bias, original[3].bias)
     assert model[0].dropout == 0.3 and model[0].bias is not None and type(model[2]) is nn.Identity
     x = torch.randn(5, 7, 16)
-    _assert_same(model(x), original(x))
+    assert_same(model(x), original(x))
     y = model[:5].train()(torch.randn(64, 16))  # up to the dropout after the bare linear
     assert 0.2 < float((y == 0).float().mean()) < 0.4, "dropout did not run at p = 0.3"
 
@@ -135,7 +127,7 @@ def test_linear_dropout_false_leaves_runs_without_an_activation_alone():
     assert ("3", why) in report.skipped
     assert len(report) == 2  # 0-1-2 and 5-6; 7-8's Tanh has no fused form
     x = torch.randn(5, 7, 16)
-    _assert_same(model(x), original(x))
+    assert_same(model(x), original(x))
 
 
 def test_activation_names():
@@ -208,7 +200,7 @@ def test_gpt2_eval_same_logits(activation):
     }
     ids = torch.randint(0, 128, (2, 24))
     with torch.no_grad():
-        _assert_same(patched(ids).logits, original(ids).logits)
+        assert_same(patched(ids).logits, original(ids).logits)
 
 
 def test_gpt2_training_without_dropout_same_loss_and_gradients():
@@ -222,12 +214,12 @@ def test_gpt2_training_without_dropout_same_loss_and_gradients():
         loss = model(ids, labels=ids).loss
         loss.backward()
         losses.append(loss)
-    _assert_same(losses[1].detach(), losses[0].detach())
+    assert_same(losses[1].detach(), losses[0].detach())
     for i in range(2):
         for name in ("c_fc", "c_proj"):
             a, b = (getattr(m.transformer.h[i].mlp, name) for m in (original, patched))
-            _assert_same(b.weight.grad, a.weight.grad)
-            _assert_same(b.bias.grad, a.bias.grad)
+            assert_same(b.weight.grad, a.weight.grad)
+            assert_same(b.bias.grad, a.bias.grad)
 
 
 def test_gpt2_trains_with_dropout():
@@ -267,7 +259,7 @@ def test_bert_eval_same_output(activation):
     mask[1, 15:] = 0
     with torch.no_grad():
         want = original(ids, attention_mask=mask).last_hidden_state
-        _assert_same(patched(ids, attention_mask=mask).last_hidden_state, want)
+        assert_same(patched(ids, attention_mask=mask).last_hidden_state, want)
 
 
 @pytest.mark.gpu
@@ -283,7 +275,7 @@ def test_gpt2_cuda_float32_and_bf16_autocast():
     ids = torch.randint(0, 128, (4, 32), device="cuda")
     with torch.no_grad():
         want = original(ids).logits
-        _assert_same(patched(ids).logits, want)
+        assert_same(patched(ids).logits, want)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             got_bf16, eager_bf16 = patched(ids).logits, original(ids).logits
     check("bf16 logits", got_bf16, want, eager_bf16)

@@ -16,8 +16,8 @@ from torch import nn
 from dispatch import patch
 from dispatch.contracts.activations import LEAKY_RELU_SLOPE
 from dispatch.nn import FusedLinear
+from patch_checks import NO_TRANSFORMERS
 
-NO_TRANSFORMERS = "transformers is not installed (pip install transformers): Hugging Face models not tested"
 GATED = "gated MLP (gate_proj, up_proj, down_proj"
 
 

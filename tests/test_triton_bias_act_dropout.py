@@ -1,10 +1,11 @@
-"""Triton bias_act_dropout: outputs and gradients against the float64 reference, masks bit-identical
-to eager's, no repeated masks, bitwise-deterministic gradients, strides, and the paths that skip work.
+"""Triton bias_act_dropout: outputs and gradients against the float64 reference, bitwise-deterministic
+gradients, strides, bad input, the paths that skip work, and the flat kernel (16-bit, no dropout).
+Masks, counters and the rows kernel: test_triton_bias_act_dropout_masks.py.
 
 On CPU the kernels run under Triton's interpreter, so shapes stay tiny but still cross the paths that
 matter: N % 8 == 0 (one Philox call per 8 elements) and not, decode shapes (one tile holds every row:
 grad_bias written directly) and longer ones (per-program partial bias gradients plus a reduction).
-``gpu``-marked tests use real sizes, including a tensor of more than 2**31 elements.
+``gpu``-marked tests use real sizes.
 """
 
 from __future__ import annotations
@@ -14,25 +15,19 @@ from typing import Optional
 import pytest
 import torch
 
-from dispatch.backends.eager import bias_act_dropout as eager_op
 from dispatch.ops import bias_act_dropout as bad_spec
 from dispatch.backends.triton import bias_act_dropout as triton_op
 from dispatch import ACTIVATION_NAMES, fused_bias_act_dropout
 from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.tolerances import check
+from harness import DTYPES, bias_act_inputs, op_rng
 
 triton_backend = pytest.importorskip("dispatch.backends.triton").BACKEND
 if triton_backend.unavailable():
     pytest.skip(triton_backend.unavailable(), allow_module_level=True)
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TINY = ((1, 8), (7, 3), (33, 40), (5, 6, 24))
 LONG = ((600, 24), (300, 13))  # backward: several row-programs, partials + reduction (N % 8 == 0 and not)
-
-
-def _rng(device, seed: int = 1234) -> torch.Tensor:
-    """The [seed, offset] pair the public op draws from a generator seeded ``seed``."""
-    return dropout_rng.draw(torch.device(device), torch.Generator(device=device).manual_seed(seed))
 
 
 def _leaves(x, bias, needs):
@@ -73,12 +68,6 @@ def assert_matches(x, bias, activation, p, seed, grad_y, needs=(True, True)):
             assert g is None, f"{name} computed but not needed"
 
 
-def _inputs(shape, dtype, device, bias=True):
-    x = torch.randn(shape, device=device).mul_(2).to(dtype)
-    b = torch.randn(shape[-1], device=device).to(dtype) if bias else None
-    return x, b, torch.randn(shape, device=device).to(dtype)
-
-
 # ----------------------------------------------------------------------------- parity
 
 
@@ -86,13 +75,13 @@ def _inputs(shape, dtype, device, bias=True):
 @pytest.mark.parametrize("activation", ACTIVATION_NAMES)
 def test_matches_reference(activation, dtype, device):
     for shape in TINY if activation in ("gelu", "relu") else TINY[1::2]:
-        x, bias, grad_y = _inputs(shape, dtype, device)
+        x, bias, grad_y = bias_act_inputs(shape, dtype, device)
         assert_matches(x, bias, activation, 0.2, 7, grad_y)
 
 
 @pytest.mark.parametrize("shape", LONG, ids=str)
 def test_long_shapes_reduce_partials(shape, device):
-    x, bias, grad_y = _inputs(shape, torch.float32, device)
+    x, bias, grad_y = bias_act_inputs(shape, torch.float32, device)
     cfg = triton_op.config(shape[0], shape[1], 4, backward=True)
     per_program = triton_op._rows_per_program(shape[0], cfg, -(-shape[1] // cfg.block_n), x)
     assert per_program < shape[0], "this shape should need several row-programs"
@@ -104,13 +93,13 @@ def test_long_shapes_reduce_partials(shape, device):
 )
 @pytest.mark.parametrize("shape", [(5, 24), (600, 24)], ids=str)
 def test_gradient_subsets(needs, shape, device):
-    x, bias, grad_y = _inputs(shape, torch.float32, device)
+    x, bias, grad_y = bias_act_inputs(shape, torch.float32, device)
     assert_matches(x, bias, "silu", 0.1, 5, grad_y, needs)
 
 
 def test_impl_computes_only_what_is_asked(device):
-    x, bias, grad_y = _inputs((9, 16), torch.float32, device)
-    rng = _rng(device)
+    x, bias, grad_y = bias_act_inputs((9, 16), torch.float32, device)
+    rng = op_rng(device)
     assert triton_op.backward(grad_y, x, bias, "gelu", 0.1, rng, False, False) == (None, None)
     gx, gb = triton_op.backward(grad_y, x, bias, "gelu", 0.1, rng, True, False)
     assert gx is not None and gb is None
@@ -120,86 +109,16 @@ def test_impl_computes_only_what_is_asked(device):
 
 @pytest.mark.parametrize("shape", [(7, 3), (33, 40)], ids=str)
 def test_no_bias(shape, device):
-    x, _, grad_y = _inputs(shape, torch.bfloat16, device, bias=False)
+    x, _, grad_y = bias_act_inputs(shape, torch.bfloat16, device, bias=False)
     assert_matches(x, None, "gelu_tanh", 0.25, 11, grad_y, (True, None))
 
 
 @pytest.mark.parametrize("training", [True, False])
 def test_without_dropout_matches_reference(training, device):
-    x, bias, grad_y = _inputs((5, 6, 24), torch.float16, device)
+    x, bias, grad_y = bias_act_inputs((5, 6, 24), torch.float16, device)
     y = fused_bias_act_dropout(x, bias, "gelu", 0.0 if training else 0.5, training, backend="triton")
     check("y", y, bad_spec.reference(x, bias, "gelu", upcast=True), bad_spec.reference(x, bias, "gelu"))
     assert_matches(x, bias, "squared_relu", 0.0, 0, grad_y)
-
-
-# ----------------------------------------------------------------------------- masks
-
-
-def _mask(y: torch.Tensor) -> torch.Tensor:
-    return y != 0
-
-
-@pytest.mark.parametrize("p", [0.1, 0.5])
-@pytest.mark.parametrize("shape", [(1, 8), (7, 3), (33, 40), (9, 13), (4, 1)], ids=str)
-def test_mask_bit_identical_to_eager(shape, p, device):
-    """identity in float32: kept values are x * scale in both, so outputs must be bitwise equal."""
-    x, bias, grad_y = _inputs(shape, torch.float32, device)
-    rng = _rng(device)
-    y = triton_op.forward(x, bias, "identity", p, rng)
-    assert torch.equal(y, eager_op.forward(x, bias, "identity", p, rng))
-    gx, _ = triton_op.backward(grad_y, x, bias, "identity", p, rng, True, True)
-    assert torch.equal(gx, eager_op.backward(grad_y, x, bias, "identity", p, rng, True, False)[0])
-
-
-@pytest.mark.parametrize("dtype", DTYPES[1:], ids=lambda d: str(d)[6:])
-def test_half_zero_pattern_matches_eager(dtype, device):
-    """z > 0, so every zero is a dropped element (gelu's far negative tail rounds to 0 differently)."""
-    x = (torch.randn(17, 40, device=device).abs() + 0.1).to(dtype)
-    bias = torch.rand(40, device=device).to(dtype)
-    rng = _rng(device, seed=99)
-    y = triton_op.forward(x, bias, "gelu", 0.5, rng)
-    assert torch.equal(_mask(y), _mask(eager_op.forward(x, bias, "gelu", 0.5, rng)))
-
-
-@pytest.mark.parametrize(
-    "seed, offset",
-    [(3, 2**32 - 5), (2**40 + 17, 2**62 - 3), (2**61 + 2**33, 2**32 * 7 - 1)],
-    ids=["carry-into-high-word", "offset-near-2**62", "high-seed-bits"],
-)
-@pytest.mark.parametrize("n", [40, 13])
-def test_64_bit_counters_match_eager(seed, offset, n, device):
-    """Counters whose low word wraps inside the tile, offsets near 2**62, seeds above 2**32."""
-    x = torch.randn(6, n, device=device)
-    rng = torch.tensor([seed, offset], dtype=torch.int64, device=device)
-    assert torch.equal(
-        triton_op.forward(x, None, "identity", 0.5, rng), eager_op.forward(x, None, "identity", 0.5, rng)
-    )
-
-
-def _masks_do_not_repeat(keep: torch.Tensor, block: int) -> None:
-    m, n = keep.shape
-    for k in range(1, 65):
-        same = (keep[:-k] == keep[k:]).all(dim=1)
-        assert not same.any(), f"row r and r+{k} share a mask (rows {same.nonzero().flatten().tolist()[:5]})"
-    if n < 2 * block:
-        return  # a single column block: nothing to compare across blocks
-    chunks = keep[:, : n - n % block].reshape(m, -1, block).transpose(0, 1).reshape(n // block, -1)
-    for i in range(1, chunks.shape[0]):
-        assert not (chunks[i:] == chunks[:-i]).all(dim=1).any(), f"column blocks {i} apart share a mask"
-
-
-def test_masks_do_not_repeat_across_rows_blocks_or_calls(device):
-    """Rows r vs r+k (k = 1..64) and column blocks of the kernel's width differ; two calls differ."""
-    shape = (80, 2048)  # > 64 rows, two column blocks of the forward tile
-    x = torch.ones(shape, device=device)
-    assert triton_op.config(*shape, 4).block_n < shape[1]
-    first = fused_bias_act_dropout(x, None, "identity", 0.5, backend="triton")
-    second = fused_bias_act_dropout(x, None, "identity", 0.5, backend="triton")
-    keep = _mask(first)
-    _masks_do_not_repeat(keep, triton_op.config(*shape, 4).block_n)
-    _masks_do_not_repeat(keep, 64)
-    assert not torch.equal(keep, _mask(second)), "two calls drew the same mask"
-    assert abs(keep.float().mean().item() - 0.5) < 0.01
 
 
 # ----------------------------------------------------------------------------- determinism, strides
@@ -207,30 +126,12 @@ def test_masks_do_not_repeat_across_rows_blocks_or_calls(device):
 
 @pytest.mark.parametrize("shape", [(33, 40), (600, 24)], ids=str)
 def test_gradients_bitwise_deterministic(shape, device):
-    x, bias, grad_y = _inputs(shape, torch.bfloat16, device)
-    rng = _rng(device)
+    x, bias, grad_y = bias_act_inputs(shape, torch.bfloat16, device)
+    rng = op_rng(device)
     first = triton_op.backward(grad_y, x, bias, "gelu", 0.1, rng, True, True)
     second = triton_op.backward(grad_y, x, bias, "gelu", 0.1, rng, True, True)
     for a, b in zip(first, second):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
-@pytest.mark.parametrize("shape", [(33, 40), (600, 13)], ids=str)
-@pytest.mark.parametrize("seed, offset", [(0x0123456789ABCDEF, 5), (2**64 - 3, 2**32 + 7), (7, 2**62 + 3)])
-def test_host_rng_equals_its_tensor_form(shape, seed, offset, device):
-    """A HostRng (CUDA's form outside graph capture) reaches the kernels as four int32 words: masks and
-    gradients equal those of the same (seed, offset) as a tensor, and eager's, with high bits set."""
-    x, bias, grad_y = _inputs(shape, torch.float32, device)
-    host = dropout_rng.HostRng(seed, offset)
-    tensor = dropout_rng.as_tensor(host, x.device)
-    y = triton_op.forward(x, bias, "identity", 0.3, host)
-    assert torch.equal(y, triton_op.forward(x, bias, "identity", 0.3, tensor))
-    assert torch.equal(y, eager_op.forward(x, bias, "identity", 0.3, host))
-    for a, b in zip(
-        triton_op.backward(grad_y, x, bias, "gelu", 0.3, host, True, True),
-        triton_op.backward(grad_y, x, bias, "gelu", 0.3, tensor, True, True),
-    ):
-        assert torch.equal(a, b)
 
 
 def test_decode_backward_is_one_launch(device, monkeypatch):
@@ -238,8 +139,8 @@ def test_decode_backward_is_one_launch(device, monkeypatch):
         raise AssertionError("decode shapes must not launch the partial-sum reduction")
 
     monkeypatch.setattr(triton_op, "_BIAS_GRAD", forbidden)
-    x, bias, grad_y = _inputs((64, 40), torch.float32, device)
-    gx, gb = triton_op.backward(grad_y, x, bias, "relu", 0.1, _rng(device), True, True)
+    x, bias, grad_y = bias_act_inputs((64, 40), torch.float32, device)
+    gx, gb = triton_op.backward(grad_y, x, bias, "relu", 0.1, op_rng(device), True, True)
     assert gx is not None and gb is not None
 
 
@@ -254,12 +155,12 @@ STRIDED = {
 @pytest.mark.parametrize("layout", STRIDED)
 @pytest.mark.parametrize("shape", [(9, 16), (7, 3)], ids=str)
 def test_strided_inputs_and_grads(layout, shape, device):
-    x, bias, grad_y = _inputs(shape, torch.float32, device)
+    x, bias, grad_y = bias_act_inputs(shape, torch.float32, device)
     make = STRIDED[layout]
     xs, gs = make(x), make(grad_y)
     assert not xs.is_contiguous() and not gs.is_contiguous()
     assert_matches(xs, bias, "gelu", 0.3, 2, gs)
-    rng = _rng(device)
+    rng = op_rng(device)
     y = triton_op.forward(xs, bias, "identity", 0.3, rng)
     assert y.is_contiguous() and torch.equal(
         y, triton_op.forward(xs.contiguous(), bias, "identity", 0.3, rng)
@@ -307,65 +208,9 @@ def test_dispatcher_calls_the_unchecked_kernels(device, monkeypatch):
 def test_empty(device):
     x = torch.randn(0, 8, device=device)
     bias = torch.randn(8, device=device)
-    assert triton_op.forward(x, bias, "gelu", 0.1, _rng(device)).shape == (0, 8)
-    gx, gb = triton_op.backward(x, x, bias, "gelu", 0.1, _rng(device), True, True)
+    assert triton_op.forward(x, bias, "gelu", 0.1, op_rng(device)).shape == (0, 8)
+    gx, gb = triton_op.backward(x, x, bias, "gelu", 0.1, op_rng(device), True, True)
     assert gx.shape == (0, 8) and torch.equal(gb, torch.zeros_like(bias))
-
-
-# ----------------------------------------------------------------------------- GPU sizes
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "shape", [(3, 65536), (1000, 11008), (517, 5000), (333, 1001), (64, 4096), (65536, 768)], ids=str
-)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
-def test_gpu_shapes_match_reference(shape, dtype):
-    x, bias, grad_y = _inputs(shape, dtype, "cuda")
-    assert_matches(x, bias, "gelu", 0.1, 8, grad_y)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 4096), (4097, 4096), (300, 65536), (1025, 1001)], ids=str)
-def test_gpu_masks_and_determinism(shape):
-    x, bias, grad_y = _inputs(shape, torch.float32, "cuda")
-    rng = _rng("cuda")
-    assert torch.equal(
-        triton_op.forward(x, bias, "identity", 0.1, rng), eager_op.forward(x, bias, "identity", 0.1, rng)
-    )
-    first = triton_op.backward(grad_y, x, bias, "gelu", 0.1, rng, True, True)
-    second = triton_op.backward(grad_y, x, bias, "gelu", 0.1, rng, True, True)
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
-    eager_gx = eager_op.backward(grad_y, x, bias, "identity", 0.1, rng, True, False)[0]
-    assert torch.equal(triton_op.backward(grad_y, x, bias, "identity", 0.1, rng, True, False)[0], eager_gx)
-    _masks_do_not_repeat(triton_op.forward(torch.ones_like(x[:200]), None, "identity", 0.5, rng) != 0, 1024)
-
-
-@pytest.mark.gpu
-def test_gpu_more_than_2_31_elements():
-    """(2**31 / 4096 + 8) x 4096 bf16: rows around and past element 2**31 equal eager's on slices (the
-    slice's rng offset advanced by row * N / 8 groups); grad_bias matches the kept counts."""
-    n = 4096
-    m = 2**31 // n + 8
-    p = 0.1
-    x = torch.empty(m, n, dtype=torch.bfloat16, device="cuda").normal_()
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    rng = _rng("cuda")
-    y = triton_op.forward(x, bias, "identity", p, rng)
-    for row in (0, 2**31 // n - 1, 2**31 // n, m - 3):
-        rows = slice(row, row + 3)
-        rng_at = rng.clone()
-        rng_at[1] += row * n // 8
-        assert torch.equal(y[rows], eager_op.forward(x[rows], bias, "identity", p, rng_at)), f"rows {row}.."
-    del y
-    ones = torch.ones(1, 1, dtype=torch.bfloat16, device="cuda").expand(m, n)  # stride-0 grad_y
-    gx, gb = triton_op.backward(ones, x, bias, "identity", p, rng, True, True)
-    kept = (gx != 0).sum(0, dtype=torch.float64)
-    expected = kept * torch.tensor(dropout_rng.keep_scale(p), dtype=torch.float32).item()
-    # grad_bias is rounded once to bf16 (8 significant bits): that rounding is the tolerance
-    torch.testing.assert_close(gb.double(), expected, rtol=2**-8, atol=0)
-    gx2, gb2 = triton_op.backward(ones, x, bias, "identity", p, rng, False, True)
-    assert gx2 is None and torch.equal(gb, gb2)
 
 
 def test_gelu_and_its_derivative_are_float32_accurate(device):
@@ -383,27 +228,6 @@ def test_gelu_and_its_derivative_are_float32_accurate(device):
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
-@pytest.mark.parametrize("shape, activation, host", [((72, 16), "gelu", True), ((66, 40), "relu", False)], ids=str)
-def test_rows_kernel_bit_identical_to_the_tile_kernel(shape, activation, host, dtype, device, monkeypatch):
-    """16-bit with dropout past decode sizes takes the rows kernel (32-bit word loads, scalar
-    counters); its y equals the tile kernel's bit for bit, with and without bias, across a counter
-    carry."""
-    x, bias, _ = _inputs(shape, dtype, device)
-    rng = dropout_rng.HostRng(2**64 - 5, 2**32 - 100) if host else _rng(device)
-    for b in (bias, None):
-        assert triton_op._rows_kernel_fits(x, b, rng, *shape)
-        y = triton_op.forward(x, b, activation, 0.3, rng)
-        with monkeypatch.context() as patched:
-            patched.setattr(triton_op, "_rows_kernel_fits", lambda *args: False)
-            tiled = triton_op.forward(x, b, activation, 0.3, rng)
-        assert torch.equal(y.view(torch.int16), tiled.view(torch.int16))
-    assert not triton_op._rows_kernel_fits(x[:, 1:9], bias[1:9], rng, shape[0], 8)  # 2-byte aligned
-    assert not triton_op._rows_kernel_fits(x.float(), bias.float(), rng, *shape)  # 32-bit elements
-    monkeypatch.setattr(triton_op, "ROWS_KERNEL_DTYPES", (torch.bfloat16,))  # a dtype can be left out
-    assert triton_op._rows_kernel_fits(x, bias, rng, *shape) == (dtype == torch.bfloat16)
-
-
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 @pytest.mark.parametrize("activation", ACTIVATION_NAMES)
 def test_flat_kernel_bit_identical_to_the_tile_kernel(activation, dtype, device, monkeypatch):
     """Contiguous 16-bit x without dropout past decode sizes takes the flat kernel (1-D, int32
@@ -411,7 +235,7 @@ def test_flat_kernel_bit_identical_to_the_tile_kernel(activation, dtype, device,
     without bias, on a shape whose last program is partly masked, and matches the reference (real
     shapes take it past 2**24 elements)."""
     shape = (130, 48)  # 6240 elements: three full 2048-element programs and a masked one
-    x, bias, _ = _inputs(shape, dtype, device)
+    x, bias, _ = bias_act_inputs(shape, dtype, device)
     assert not triton_op._flat_kernel_fits(x, None, *shape)  # up to 2**24 elements the tile kernel wins
     monkeypatch.setattr(triton_op, "FLAT_MIN_ELEMENTS", 0)  # the flat kernel itself, on a small shape
     x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
@@ -423,7 +247,7 @@ def test_flat_kernel_bit_identical_to_the_tile_kernel(activation, dtype, device,
             tiled = triton_op.forward(x, b, activation, 0.0, None)
         assert torch.equal(y.view(torch.int16), tiled.view(torch.int16))
     assert_matches(x[1:], bias, activation, 0.0, 0, torch.randn_like(x[1:]))
-    assert not triton_op._flat_kernel_fits(x, _rng(device), *shape)  # dropout: the rows kernel
+    assert not triton_op._flat_kernel_fits(x, op_rng(device), *shape)  # dropout: the rows kernel
     assert not triton_op._flat_kernel_fits(x.t(), None, 48, 130)  # strided
     assert not triton_op._flat_kernel_fits(x.float(), None, *shape)  # 32-bit elements
     assert not triton_op._flat_kernel_fits(x[:64], None, 64, 48)  # decode: one tile
@@ -432,3 +256,15 @@ def test_flat_kernel_bit_identical_to_the_tile_kernel(activation, dtype, device,
     assert off.is_contiguous() and not triton_op._flat_kernel_fits(off, None, *shape)
     assert not triton_op._flat_kernel_fits(x, None, 2**26, 2**5)  # offsets past int32
 
+
+# ----------------------------------------------------------------------------- GPU sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape", [(3, 65536), (1000, 11008), (517, 5000), (333, 1001), (64, 4096), (65536, 768)], ids=str
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_gpu_shapes_match_reference(shape, dtype):
+    x, bias, grad_y = bias_act_inputs(shape, dtype, "cuda")
+    assert_matches(x, bias, "gelu", 0.1, 8, grad_y)
