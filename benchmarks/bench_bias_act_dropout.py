@@ -43,7 +43,7 @@ BIG, DECODE = (65536, 4096), (1, 4096)
 CPU_SHAPES = ((256, 1024), (1, 1024))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = common.MODES
-PER_SHAPE = ("nvfuser",)  # TorchScript specializes per shape: 4-6 s a new shape (calibration logs)
+BUDGET_S = (220.0, 50.0)  # seconds until no new row starts: full run, --quick
 COPY_BYTES_PER_MS = 4.14e9  # H200 device copy, 4.14 TB/s (benchmarks/PERF.md)
 
 
@@ -143,17 +143,7 @@ def entries(row: dict, x, b, names: list[str], focus: bool) -> dict[str, Callabl
 
     act, p, mode = row["act"], row["p"], row["mode"]
     call = Call("bias_act_dropout", x.device, x.dtype, tuple(x.shape), act, p > 0, mode != "forward")
-    ok, why = common.available(call, names)
-    out: dict[str, Callable] = {}
-    for name in ok:
-        if name == "pytorch":  # its kernels are the composite: the pytorch entry below
-            continue
-        if name in PER_SHAPE and not focus:
-            row[f"skip:{name}"] = "compiles per shape: FOCUS rows only (--all-backends)"
-        else:
-            out[name] = _op(name, act, p)
-    for name, reason in why.items():
-        row[f"skip:{name}"] = reason
+    out = common.backend_entries(row, call, names, focus, lambda name: _op(name, act, p))
     with torch.set_grad_enabled(mode != "forward"):
         probe = x.detach().requires_grad_(mode != "forward")
         row["picked"] = explain("fused_bias_act_dropout", probe, b, act, p).backend.name
@@ -226,42 +216,13 @@ def plot(rows: list[dict], args) -> None:
             common.plot_panels(panels, "gbs", "copy", "GB/s (minimum bytes)", title, out)
 
 
-def dispatch_summary(rows: list[dict], names: list[str]) -> tuple[list[list], list[str]]:
-    """Per row: the dispatcher's pick against the fastest backend on each clock."""
-    lines = []
-    for r in rows:
-        if "picked" not in r:
-            continue
-        line = [r["M"], r["N"], r["dtype"], r["act"], r["p"], r["mode"], r["picked"]]
-        for clock in common.CLOCKS:
-            best = common.fastest(r, names, clock)
-            mine = r.get(f"{clock}_us:dispatch")
-            line += [best, mine / r[f"{clock}_us:{best}"] if best and mine else None]
-        lines.append(line)
-    heads = ["M", "N", "dtype", "act", "p", "mode", "picked", "fastest gpu", "dispatch/fastest gpu"]
-    return lines, heads + ["fastest wall", "dispatch/fastest wall"]
-
-
 def main() -> None:
-    p = common.parser(__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--modes", default="forward,forward+backward", help=f"comma-separated, of {', '.join(MODES)}"
-    )
-    p.add_argument(
-        "--all-backends", action="store_true", help="per-shape compilers on every row, not FOCUS only"
-    )
-    p.add_argument(
-        "--budget-s", type=float, help="start no row after this many seconds (default 220; quick 50)"
-    )
-    p.add_argument("--rep-ms", type=float, default=40.0, help="time per entry and clock over all rounds (ms)")
-    p.add_argument("--rounds", type=int, default=timing.ROUNDS, help="interleaved rounds per row (median)")
+    p = common.sweep_parser(__doc__.split("\n\n")[0], BUDGET_S, rep_ms=40.0)
     args = p.parse_args()
-    modes = tuple(m for m in args.modes.split(",") if m)
-    if not set(modes) <= set(MODES):
-        p.error(f"--modes: expected some of {', '.join(MODES)}, got {args.modes!r}")
+    modes = common.modes(p, args)
     device = common.setup(args)
     names = common.registered()
-    budget = args.budget_s or (50.0 if args.quick else 220.0)
+    budget = common.budget(args, BUDGET_S)
     start = time.perf_counter()
     rows: list[dict] = []
     for m, n, dt, act, pr, mode, focus in grid(device, args.quick, modes):
@@ -281,21 +242,10 @@ def main() -> None:
         took = time.perf_counter() - start
         print(f"[{took:5.0f}s] {m}x{n} {dt} {act} p={pr} {mode}: gpu us {times or '-'}; "
               f"wall us {walls or row.get('error', '-')}", flush=True)  # fmt: skip
-    skipped = {k[5:]: v for r in rows for k, v in r.items() if k.startswith("skip:")}
-    for name, why in sorted(skipped.items()):
-        print(f"skipped {name}: {why}")
-    common.write(args, "bias_act_dropout", {"rows": rows}, device)
-    if not args.quick:
-        common.plot_or_say(plot, rows, args)
+    common.save_sweep(args, "bias_act_dropout", rows, device, plot)
     keys = ["M", "N", "dtype", "act", "p", "mode"]
-    common.print_table(*dispatch_summary(rows, names), title="the dispatcher's pick vs the fastest backend")
     metrics = [("GB/s", "gbs"), ("% copy", "pct_copy")]
-    lines, heads = common.long_table(rows, keys, metrics)
-    common.print_table(
-        lines,
-        heads,
-        title=f"every entry (x = baseline's time / entry's; {time.perf_counter() - start:.0f} s)",
-    )
+    common.print_sweep_tables(rows, names, keys, metrics, time.perf_counter() - start)
 
 
 if __name__ == "__main__":

@@ -47,10 +47,10 @@ CPU_PAIRS = {"small.up": (256, 1024), "small.down": (1024, 256)}
 TOKENS = (2048, 8192, 16384)
 SMALL_TOKENS = (128, 512)  # last, if the budget allows
 FOCUS = {("llama-2-7b.up", 8192), ("mistral-7b.down", 8192), ("gpt2.up", 2048), ("llama-2-70b.up", 8192)}
-PER_SHAPE = ("nvfuser",)  # TorchScript specializes per shape: 4-6 s a new shape (calibration logs)
 # Measured H200 ceilings (benchmarks/PERF.md): bf16 torch.mm 709 TFLOP/s at 8192x4096x16384, copy 4.14 TB/s
 H200_MM_TFLOPS, H200_COPY_TBS = 709.0, 4.14
 MODES = common.MODES
+BUDGET_S = (210.0, 45.0)  # seconds until no new row starts: full run, --quick
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -168,17 +168,7 @@ def entries(row: dict, x, w, b, names: list[str], focus: bool, compile_mode: str
     M, K = x.shape
     N, act, mode = w.shape[0], row["act"], row["mode"]
     call = Call("fused_linear", x.device, x.dtype, (M, N, K), act, False, mode != "forward")
-    ok, why = common.available(call, names)
-    out: dict[str, Callable] = {}
-    for name in ok:
-        if name == "pytorch":  # its kernels are the composite: the pytorch entry below
-            continue
-        if name in PER_SHAPE and not focus:
-            row[f"skip:{name}"] = "compiles per shape: FOCUS rows only (--all-backends)"
-        else:
-            out[name] = _op(name, act)
-    for name, reason in why.items():
-        row[f"skip:{name}"] = reason
+    out = common.backend_entries(row, call, names, focus, lambda name: _op(name, act))
     with torch.set_grad_enabled(mode != "forward"):
         probe = x.detach().requires_grad_(mode != "forward")
         row["picked"] = explain("fused_linear", probe, w, b, act).backend.name
@@ -308,36 +298,9 @@ def plot(rows: list[dict], args) -> None:
             common.plot_panels(panels, "tflops", "torch.mm", "TFLOP/s", title, out)
 
 
-def dispatch_summary(rows: list[dict], names: list[str]) -> tuple[list[list], list[str]]:
-    """Per row: the dispatcher's pick against the fastest backend on each clock."""
-    lines = []
-    for r in rows:
-        if "picked" not in r:
-            continue
-        line = [r["pair"], r["M"], r["dtype"], r["act"], r["mode"], r["picked"]]
-        for clock in common.CLOCKS:
-            best = common.fastest(r, names, clock)
-            mine = r.get(f"{clock}_us:dispatch")
-            line += [best, mine / r[f"{clock}_us:{best}"] if best and mine else None]
-        lines.append(line)
-    heads = ["pair", "M", "dtype", "act", "mode", "picked", "fastest gpu", "dispatch/fastest gpu"]
-    return lines, heads + ["fastest wall", "dispatch/fastest wall"]
-
-
 def main() -> None:
-    p = common.parser(__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--modes", default="forward,forward+backward", help=f"comma-separated, of {', '.join(MODES)}"
-    )
-    p.add_argument(
-        "--all-backends", action="store_true", help="per-shape compilers on every row, not FOCUS only"
-    )
+    p = common.sweep_parser(__doc__.split("\n\n")[0], BUDGET_S, rep_ms=60.0)
     p.add_argument("--compile-mode", default="default", help="torch.compile mode of the compile entry")
-    p.add_argument(
-        "--budget-s", type=float, help="start no row after this many seconds (default 210; quick 45)"
-    )
-    p.add_argument("--rep-ms", type=float, default=60.0, help="time per entry and clock over all rounds (ms)")
-    p.add_argument("--rounds", type=int, default=timing.ROUNDS, help="interleaved rounds per row (median)")
     p.add_argument(
         "--activation", help="every row with this activation instead (duplicates dropped), e.g. relu"
     )
@@ -345,16 +308,14 @@ def main() -> None:
         "--breakdown", action="store_true", help="GPU time of each piece of a training call (CUDA only)"
     )
     args = p.parse_args()
-    modes = tuple(m for m in args.modes.split(",") if m)
-    if not set(modes) <= set(MODES):
-        p.error(f"--modes: expected some of {', '.join(MODES)}, got {args.modes!r}")
+    modes = common.modes(p, args)
     device = common.setup(args)
     if args.breakdown:
         if device.type != "cuda":
             p.error("--breakdown times kernels on the GPU's clock: it needs CUDA")
         return breakdown(args, device)
     names = common.registered()
-    budget = args.budget_s or (45.0 if args.quick else 210.0)
+    budget = common.budget(args, BUDGET_S)
     start = time.perf_counter()
     rows: list[dict] = []
     rows_wanted = grid(device, args.quick)
@@ -377,17 +338,10 @@ def main() -> None:
             tf = " ".join(f"{k[7:]}={v:.3g}" for k, v in rows[-1].items() if k.startswith("tflops:"))
             print(f"[{time.perf_counter() - start:4.0f}s] {pair} M={M} {key['dtype']} {act} {mode}: "
                   f"TFLOP/s {tf or rows[-1].get('error', '-')}", flush=True)  # fmt: skip
-    skipped = {k[5:]: v for r in rows for k, v in r.items() if k.startswith("skip:")}
-    for name, why in sorted(skipped.items()):
-        print(f"skipped {name}: {why}")
-    common.write(args, "fused_linear", {"rows": rows}, device)
-    if not args.quick:
-        common.plot_or_say(plot, rows, args)
-    common.print_table(*dispatch_summary(rows, names), title="the dispatcher's pick vs the fastest backend")
+    common.save_sweep(args, "fused_linear", rows, device, plot)
     keys = ["pair", "M", "dtype", "act", "mode"]
-    lines, heads = common.long_table(rows, keys, [("TFLOP/s", "tflops"), ("% mm", "pct_mm")])
-    took = time.perf_counter() - start
-    common.print_table(lines, heads, title=f"every entry (x = baseline's time / entry's; {took:.0f} s)")
+    metrics = [("TFLOP/s", "tflops"), ("% mm", "pct_mm")]
+    common.print_sweep_tables(rows, names, keys, metrics, time.perf_counter() - start)
 
 
 if __name__ == "__main__":

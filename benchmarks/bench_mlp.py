@@ -468,9 +468,7 @@ def run(args, blocks: list[str], ms: list[int], modes: list[str], device) -> Non
                 print(f"[{took:4.0f}s] {name} M={m} {mode}: ms {_times(rows[-1])}", flush=True)
     others = sorted(set(common.registered()) - set(implementing()))
     print(f"backends that do not implement fused_mlp: {', '.join(others) or 'none'}")
-    skipped = {k[5:]: v for r in rows for k, v in r.items() if k.startswith("skip:")}
-    for name, why in sorted(skipped.items()):
-        print(f"skipped {name}: {why}")
+    common.print_skipped(rows)
     liger = liger_swiglu()
     extra = {"liger_kernel": liger[1] if liger[0] else None, "blocks": {b: BLOCKS[b] for b in blocks}}
     common.write(args, "fused_mlp", {"rows": rows, **extra}, device)

@@ -29,8 +29,10 @@ from tabulate import tabulate  # noqa: E402
 
 from dispatch import timing  # noqa: E402
 
+MODES = ("forward", "backward", "forward+backward")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 BASELINES = ("pytorch", "compile")
+PER_SHAPE = ("nvfuser",)  # TorchScript specializes per shape: 4-6 s a new shape (calibration logs)
 CLOCKS = ("gpu", "wall")
 
 
@@ -41,6 +43,41 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a few shapes only (smoke run)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (CPU runs; default torch's)")
     return p
+
+
+def sweep_parser(description: str, budget_s: tuple[float, float], rep_ms: float) -> argparse.ArgumentParser:
+    """``parser`` plus a sweep's options: --modes, --all-backends, --budget-s ((full, quick) default
+    seconds, as ``budget``), --rep-ms (its default ``rep_ms``) and --rounds."""
+    p = parser(description)
+    p.add_argument(
+        "--modes", default="forward,forward+backward", help=f"comma-separated, of {', '.join(MODES)}"
+    )
+    p.add_argument(
+        "--all-backends", action="store_true", help="per-shape compilers on every row, not FOCUS only"
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        help=f"start no row after this many seconds (default {budget_s[0]:g}; quick {budget_s[1]:g})",
+    )
+    p.add_argument(
+        "--rep-ms", type=float, default=rep_ms, help="time per entry and clock over all rounds (ms)"
+    )
+    p.add_argument("--rounds", type=int, default=timing.ROUNDS, help="interleaved rounds per row (median)")
+    return p
+
+
+def modes(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, ...]:
+    """The modes --modes names; a usage error for any other."""
+    found = tuple(m for m in args.modes.split(",") if m)
+    if not set(found) <= set(MODES):
+        p.error(f"--modes: expected some of {', '.join(MODES)}, got {args.modes!r}")
+    return found
+
+
+def budget(args: argparse.Namespace, budget_s: tuple[float, float]) -> float:
+    """Seconds after which a sweep starts no new row: --budget-s, else ``budget_s`` (full, quick)."""
+    return args.budget_s or (budget_s[1] if args.quick else budget_s[0])
 
 
 def setup(args: argparse.Namespace) -> torch.device:
@@ -115,14 +152,31 @@ def available(call: object, names: Iterable[str]) -> tuple[list[str], dict[str, 
     return ok, why
 
 
+def backend_entries(
+    row: dict, call: object, names: Iterable[str], focus: bool, op: Callable[[str], Callable]
+) -> dict[str, Callable]:
+    """``op(name)`` for each backend among ``names`` that serves ``call``, but pytorch (its kernels are
+    the composite: the benchmark's own pytorch entry) and, off the FOCUS rows, those that compile per
+    shape; a ``skip:<name>`` column in ``row`` with the reason for each other one."""
+    ok, why = available(call, names)
+    out: dict[str, Callable] = {}
+    for name in ok:
+        if name == "pytorch":
+            continue
+        if name in PER_SHAPE and not focus:
+            row[f"skip:{name}"] = "compiles per shape: FOCUS rows only (--all-backends)"
+        else:
+            out[name] = op(name)
+    for name, reason in why.items():
+        row[f"skip:{name}"] = reason
+    return out
+
+
 def registered() -> list[str]:
     """Every registered backend, eager first (it is the reference the others are checked against)."""
     from dispatch.registry import backends
 
     return sorted(backends(), key=lambda n: (n != "eager", n))
-
-
-MODES = ("forward", "backward", "forward+backward")
 
 
 def timed(fn: Callable, mode: str, inputs: Sequence[torch.Tensor], grad_y: torch.Tensor) -> timing.Fn:
@@ -227,6 +281,57 @@ def long_table(
             line += [r.get(f"x_{b}_{c}:{name}") for b in BASELINES for c in CLOCKS]
             lines.append(line + [str(note)[:70]])
     return lines, heads
+
+
+def dispatch_summary(
+    rows: Sequence[dict], names: Sequence[str], keys: Sequence[str]
+) -> tuple[list[list], list[str]]:
+    """Per row: its ``keys``, the dispatcher's pick and, on each clock, the fastest of the backends
+    ``names`` and the dispatch entry's time over that one's."""
+    lines = []
+    for r in rows:
+        if "picked" not in r:
+            continue
+        line = [r[k] for k in keys] + [r["picked"]]
+        for clock in CLOCKS:
+            best = fastest(r, names, clock)
+            mine = r.get(f"{clock}_us:dispatch")
+            line += [best, mine / r[f"{clock}_us:{best}"] if best and mine else None]
+        lines.append(line)
+    heads = [*keys, "picked", "fastest gpu", "dispatch/fastest gpu"]
+    return lines, heads + ["fastest wall", "dispatch/fastest wall"]
+
+
+def save_sweep(
+    args: argparse.Namespace, name: str, rows: list[dict], device: torch.device, plot: Callable
+) -> None:
+    """A sweep's rows: the entries it skipped and why, ``<name>.json``, and but for --quick the plots
+    ``plot(rows, args)`` draws."""
+    print_skipped(rows)
+    write(args, name, {"rows": rows}, device)
+    if not args.quick:
+        plot_or_say(plot, rows, args)
+
+
+def print_sweep_tables(
+    rows: Sequence[dict],
+    names: Sequence[str],
+    keys: Sequence[str],
+    metrics: Sequence[tuple[str, str]],
+    took: float,
+) -> None:
+    """A sweep's two tables, last: the dispatcher's pick against the fastest backend, then every entry
+    (``long_table``); ``took`` seconds in the title."""
+    print_table(*dispatch_summary(rows, names, keys), title="the dispatcher's pick vs the fastest backend")
+    title = f"every entry (x = baseline's time / entry's; {took:.0f} s)"
+    print_table(*long_table(rows, keys, metrics), title=title)
+
+
+def print_skipped(rows: Sequence[dict]) -> None:
+    """Each entry skipped somewhere, once, with its (last) reason."""
+    skipped = {k[5:]: v for r in rows for k, v in r.items() if k.startswith("skip:")}
+    for name, why in sorted(skipped.items()):
+        print(f"skipped {name}: {why}")
 
 
 def print_table(lines: list[list], heads: Sequence[str], title: str = "") -> None:

@@ -13,10 +13,9 @@ between processes.
 
 from __future__ import annotations
 
-import torch
-
-from dispatch.contracts.activations import ACTIVATION_NAMES
-from dispatch.contracts.backend import Backend, Call
+from dispatch.backends.inductor import bias_act_dropout, fused_linear
+from dispatch.contracts import compiled
+from dispatch.contracts.backend import Call
 
 
 def _extra_reasons(call: Call, explicit: bool) -> list[str]:
@@ -32,24 +31,12 @@ def _label() -> str:
     return "torch.compile, dynamic tokens"
 
 
-def _declare() -> Backend:
-    from dispatch.backends.inductor import bias_act_dropout, fused_linear
-
-    return (
-        Backend(
-            name="inductor",
-            kernels={"bias_act_dropout": bias_act_dropout.KERNELS, "fused_linear": fused_linear.KERNELS},
-            devices=frozenset({"cpu", "cuda"}),
-            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-            activations=frozenset(ACTIVATION_NAMES),
-            deterministic=False,
-            summary="torch.compile (inductor) of the eager functions, dynamic in the token dimension",
-            min_capability=(7, 0),
-            extra_reasons=_extra_reasons,
-            label=_label,
-            compiles=True,
-        )
-    )
-
-
-BACKEND = _declare()
+BACKEND = compiled.backend(
+    name="inductor",
+    kernels={"bias_act_dropout": bias_act_dropout.KERNELS, "fused_linear": fused_linear.KERNELS},
+    deterministic=False,
+    summary="torch.compile (inductor) of the eager functions, dynamic in the token dimension",
+    min_capability=(7, 0),
+    extra_reasons=_extra_reasons,
+    label=_label,
+)

@@ -26,15 +26,14 @@ the flags are constants of the graph, guarded by value, as the kind says.
 from __future__ import annotations
 
 import contextlib
-import threading
 import types
 import warnings
-from collections import OrderedDict
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator
 
 import torch
-import torch._dynamo.convert_frame
 from torch import Tensor
+
+from dispatch.contracts.compiled import CacheInfo, CompiledCache
 
 CACHE_LIMIT = 256  # kinds of call kept compiled
 _FIRST_CALL_SETTINGS = {
@@ -46,21 +45,8 @@ _FIRST_CALL_SETTINGS = {
     "specialize_float": True,
 }
 
-# Compiling (a kind's first call) runs under dynamo's own compile lock: FX tracing, AOTAutograd and
-# TorchScript keep global state (fx's CURRENT_PATCHER, CPython's ast recursion counter), and the first
-# call patches dynamo's config and the warnings filters, process-wide, for its duration. The nvfuser
-# backend takes the same lock, so neither backend traces while the other, or the user's own
-# torch.compile, does. A kind already compiled runs without it.
-COMPILE_LOCK = getattr(torch._dynamo.convert_frame, "compile_lock", None) or threading.RLock()
-
-_compiled: OrderedDict[tuple, Callable[..., Any]] = OrderedDict()
-_compiles = 0
-
-
-class CacheInfo(NamedTuple):
-    size: int
-    limit: int
-    compiles: int
+# A kind's first call compiles under dynamo's compile lock (dispatch.contracts.compiled says why)
+_compiled = CompiledCache(lambda: CACHE_LIMIT)
 
 
 def _own_code(fn: Callable[..., Any], serial: int) -> Callable[..., Any]:
@@ -105,40 +91,25 @@ def run(fn: Callable[..., Any], args: tuple, rows: tuple[int, ...]) -> Any:
     Runs without autograd: forward and backward are compiled as separate functions.
     """
     kind = (fn, *(_kind(a, i in rows) for i, a in enumerate(args)))
-    compiled = _compiled.get(kind)
-    if compiled is None:
-        with COMPILE_LOCK:
-            compiled = _compiled.get(kind)  # another thread may have compiled it meanwhile
-            if compiled is None:
-                return _compile_and_run(kind, fn, args, rows)
-    try:
-        _compiled.move_to_end(kind)
-    except KeyError:  # just evicted by a thread compiling another kind
-        pass
-    with torch.no_grad():
-        return compiled(*args)
+    return _compiled.run(kind, args, lambda: _compile_and_run(fn, args, rows))
 
 
-def _compile_and_run(kind: tuple, fn: Callable[..., Any], args: tuple, rows: tuple[int, ...]) -> Any:
-    """A kind's first call, under ``COMPILE_LOCK``: compiles it, runs it, caches it."""
-    global _compiles
+def _compile_and_run(
+    fn: Callable[..., Any], args: tuple, rows: tuple[int, ...]
+) -> tuple[Callable[..., Any], Any]:
+    """A kind's first call, under the compile lock: (the compiled function, its output)."""
     args = tuple(  # mark_dynamic costs ~14 us: only when compiling
         _marked(a) if i in rows and a is not None and a.shape[0] >= 2 else a for i, a in enumerate(args)
     )
     # dynamic=None, not False: False would patch dynamo's config around every call, not just this
     # one; _first_call's settings make the compile as static as False would, M aside
-    compiled = torch.compile(_own_code(fn, _compiles), fullgraph=True, dynamic=None)
+    compiled = torch.compile(_own_code(fn, _compiled.compiles), fullgraph=True, dynamic=None)
     with torch.no_grad(), _first_call():
-        out = compiled(*args)
-    _compiles += 1
-    _compiled[kind] = compiled
-    if len(_compiled) > CACHE_LIMIT:
-        _compiled.popitem(last=False)
-    return out
+        return compiled, compiled(*args)
 
 
 def cache_info() -> CacheInfo:
-    return CacheInfo(len(_compiled), CACHE_LIMIT, _compiles)
+    return _compiled.info()
 
 
 def clear_cache() -> None:

@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from dispatch.contracts.activations import ACTIVATION_NAMES
-from dispatch.contracts.backend import Backend
+from dispatch.backends.nvfuser import bias_act_dropout, fused_linear
+from dispatch.contracts import compiled
 
 
 def _unavailable() -> Optional[str]:
@@ -41,23 +41,11 @@ def _label() -> str:
     return "functorch+TorchScript, fuser: " + ", ".join(f"{fuser_summary(d)} on {d}" for d in devices)
 
 
-def _declare() -> Backend:
-    from dispatch.backends.nvfuser import bias_act_dropout, fused_linear
-
-    return (
-        Backend(
-            name="nvfuser",
-            kernels={"bias_act_dropout": bias_act_dropout.KERNELS, "fused_linear": fused_linear.KERNELS},
-            devices=frozenset({"cpu", "cuda"}),
-            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-            activations=frozenset(ACTIVATION_NAMES),
-            deterministic=True,
-            summary="functorch memory_efficient_fusion compiled by TorchScript (NNC fuser on CUDA)",
-            unavailable=_unavailable,
-            label=_label,
-            compiles=True,
-        )
-    )
-
-
-BACKEND = _declare()
+BACKEND = compiled.backend(
+    name="nvfuser",
+    kernels={"bias_act_dropout": bias_act_dropout.KERNELS, "fused_linear": fused_linear.KERNELS},
+    deterministic=True,
+    summary="functorch memory_efficient_fusion compiled by TorchScript (NNC fuser on CUDA)",
+    unavailable=_unavailable,
+    label=_label,
+)

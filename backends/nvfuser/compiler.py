@@ -19,14 +19,14 @@ constructor recursion depth mismatch``. A signature already compiled runs withou
 
 from __future__ import annotations
 
-import threading
 import warnings
-from collections import Counter, OrderedDict
-from typing import Any, Callable, NamedTuple, Optional
+from collections import Counter
+from typing import Any, Callable, Optional
 
 import torch
-import torch._dynamo.convert_frame
 from torch import Tensor
+
+from dispatch.contracts.compiled import CacheInfo, CompiledCache
 
 CACHE_LIMIT = 64  # compiled functions kept; each one is a small TorchScript module
 
@@ -38,19 +38,9 @@ FUSION_GROUPS = {
     "prim::oneDNNFusionGroup": "oneDNN Graph",
 }
 
-# dynamo's own lock (an RLock), shared with backends/inductor/compiler.py, which reads it the same way
-COMPILE_LOCK = getattr(torch._dynamo.convert_frame, "compile_lock", None) or threading.RLock()
-
-_cache: OrderedDict[tuple, Callable[..., Any]] = OrderedDict()
-_compiles = 0
+_cache = CompiledCache(lambda: CACHE_LIMIT)
 _graphs: Counter[str] = Counter()  # device type -> graphs run (warm-ups observed)
 _fused: dict[str, Counter[str]] = {}  # device type -> fuser name -> graphs it fused
-
-
-class CacheInfo(NamedTuple):
-    size: int
-    limit: int
-    compiles: int
 
 
 def _torchscript(gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> torch.jit.ScriptModule:
@@ -82,23 +72,12 @@ def run(key: tuple, fn: Callable[..., Any], *args: Optional[Tensor]) -> Any:
     and every Python value ``fn`` closes over. Runs without autograd: forward and backward are
     compiled as separate functions.
     """
-    compiled = _cache.get(key)
-    if compiled is None:
-        with COMPILE_LOCK:
-            compiled = _cache.get(key)  # another thread may have compiled it meanwhile
-            if compiled is None:
-                return _compile_and_run(key, fn, args)
-    try:
-        _cache.move_to_end(key)
-    except KeyError:  # just evicted by a thread compiling another signature
-        pass
-    with torch.no_grad():
-        return compiled(*args)
+    return _cache.run(key, args, lambda: _compile_and_run(fn, args))
 
 
-def _compile_and_run(key: tuple, fn: Callable[..., Any], args: tuple) -> Any:
-    """A signature's first call, under ``COMPILE_LOCK``: compiles it, warms it up, caches it."""
-    global _compiles
+def _compile_and_run(fn: Callable[..., Any], args: tuple) -> tuple[Callable[..., Any], Any]:
+    """A signature's first call, under the compile lock: compiles it and warms it up; (the compiled
+    function, its output)."""
     compiled = _compile(fn)
     # TorchScript warns that it is deprecated at every script call; those warnings concern this
     # backend, not the user's code. The profiling executor records the first run and fuses on the
@@ -108,11 +87,7 @@ def _compile_and_run(key: tuple, fn: Callable[..., Any], args: tuple) -> Any:
         compiled(*args)
         out = compiled(*args)
         _observe(next(a.device.type for a in args if a is not None))
-    _compiles += 1
-    _cache[key] = compiled
-    if len(_cache) > CACHE_LIMIT:
-        _cache.popitem(last=False)
-    return out
+    return compiled, out
 
 
 def _observe(device_type: str) -> None:
@@ -153,7 +128,7 @@ def fuser_summary(device_type: str) -> str:
 
 
 def cache_info() -> CacheInfo:
-    return CacheInfo(len(_cache), CACHE_LIMIT, _compiles)
+    return _cache.info()
 
 
 def clear_cache() -> None:

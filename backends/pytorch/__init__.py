@@ -10,19 +10,10 @@ dropout calls off it).
 
 from __future__ import annotations
 
-import torch
-
 from dispatch import ops
-from dispatch.contracts.activations import ACTIVATION_NAMES, GATED_NAMES
-from dispatch.contracts.backend import Backend
 
-BACKEND = Backend(
+BACKEND = ops.every_op_backend(
     name="pytorch",
-    kernels={},
-    devices=frozenset({"cpu", "cuda"}),
-    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
-    activations=frozenset((*ACTIVATION_NAMES, *GATED_NAMES)),
-    deterministic=True,
     summary="the plain PyTorch composite a user writes (torch's dropout RNG)",
     generic=ops.baseline_kernels,
     torch_masks=True,

@@ -55,6 +55,21 @@ class Kernels:
     any_shape: bool = False  # forward and inference take x (..., features) as the caller gave it
 
 
+def _always(activation: str) -> bool:
+    return True
+
+
+def composite_kernels(
+    forward: Callable[..., Any],
+    backward: Callable[..., Any],
+    inference: Callable[..., Any],
+    any_shape: bool = False,
+) -> Kernels:
+    """An op's baseline as kernels: the composite a user writes, plain torch ops under torch's own
+    autograd for every activation, dropout masks from torch's RNG as nn.Dropout draws them."""
+    return Kernels(forward, backward, inference, autograd=_always, masks="torch", any_shape=any_shape)
+
+
 def _always_available() -> Optional[str]:
     return None
 

@@ -9,11 +9,13 @@ dispatcher installs when ``dispatch`` is imported.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol
 
+import torch
 from torch import Tensor
 
-from dispatch.contracts.backend import Call, Kernels
+from dispatch.contracts.activations import ACTIVATION_NAMES, GATED_NAMES
+from dispatch.contracts.backend import Backend, Call, Kernels
 from dispatch.contracts.op import OpCall, OpSpec
 
 # The package's own ops, imported on first use (importing dispatch loads no spec it does not call).
@@ -68,6 +70,29 @@ def _specs_kernels(op: str, which: str) -> Optional[Kernels]:
     except ValueError:
         return None
     return spec.baseline_kernels() if which == "baseline" else spec.reference_kernels()
+
+
+def every_op_backend(
+    name: str,
+    summary: str,
+    generic: Callable[[str], Optional[Kernels]],
+    kernels: Optional[Mapping[str, Kernels]] = None,
+    torch_masks: bool = False,
+) -> Backend:
+    """The declaration of a backend on PyTorch's own ops that serves every op (eager, pytorch): its
+    ``kernels``, else ``generic(op)`` from the op's spec; any device; float16, bfloat16, float32,
+    float64; every activation and gate; deterministic where torch's ops are."""
+    return Backend(
+        name=name,
+        kernels=dict(kernels or {}),
+        devices=frozenset({"cpu", "cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+        activations=frozenset((*ACTIVATION_NAMES, *GATED_NAMES)),
+        deterministic=True,
+        summary=summary,
+        generic=generic,
+        torch_masks=torch_masks,
+    )
 
 
 class Dispatcher(Protocol):

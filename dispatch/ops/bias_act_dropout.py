@@ -15,7 +15,7 @@ from dispatch import ops
 from dispatch.contracts import checks
 from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS
-from dispatch.contracts.backend import Call, Kernels
+from dispatch.contracts.backend import Call, Kernels, composite_kernels
 from dispatch.contracts.op import (
     Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads, torch_keep,
 )  # fmt: skip
@@ -140,10 +140,7 @@ def _baseline_backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activa
     return grad_x, grad_bias
 
 
-BASELINE_KERNELS = Kernels(
-    forward=baseline, backward=_baseline_backward, inference=baseline, autograd=lambda a: True,
-    masks="torch", any_shape=True,
-)  # fmt: skip
+BASELINE_KERNELS = composite_kernels(baseline, _baseline_backward, baseline, any_shape=True)
 
 
 # ----------------------------------------------------------------------------- running on kernels

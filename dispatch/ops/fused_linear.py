@@ -17,7 +17,7 @@ from torch import Tensor
 from dispatch import ops
 from dispatch.contracts import checks
 from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS
-from dispatch.contracts.backend import Call, Kernels
+from dispatch.contracts.backend import Call, Kernels, composite_kernels
 from dispatch.contracts.op import Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads
 
 NAME = "fused_linear"
@@ -128,10 +128,7 @@ def _baseline_backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional
     return backward_from_pre(grad_y, x, weight, bias, None, activation, needs)
 
 
-BASELINE_KERNELS = Kernels(
-    forward=_baseline_forward, backward=_baseline_backward, inference=baseline, autograd=lambda a: True,
-    masks="torch", any_shape=True,
-)  # fmt: skip
+BASELINE_KERNELS = composite_kernels(_baseline_forward, _baseline_backward, baseline, any_shape=True)
 
 
 class FusedLinear(torch.autograd.Function):

@@ -21,7 +21,7 @@ from dispatch import ops
 from dispatch.contracts import checks
 from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS, GATED_NAMES, GATES
-from dispatch.contracts.backend import Call, Kernels
+from dispatch.contracts.backend import Call, Kernels, composite_kernels
 from dispatch.contracts.op import (
     Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads, torch_keep,
 )  # fmt: skip
@@ -206,10 +206,9 @@ def _grads_of(fn: Callable[[Block], Tensor], b: Block, needs: tuple, grad_y: Ten
     return tuple(next(found) if t is not None and t.requires_grad else None for t in leaves)
 
 
-BASELINE_KERNELS = Kernels(
-    forward=lambda b, rngs: (baseline(b, rngs[0]), ()), backward=_baseline_backward,
-    inference=lambda b, rngs: baseline(b, rngs[0]), autograd=lambda a: True, masks="torch",
-)  # fmt: skip
+BASELINE_KERNELS = composite_kernels(
+    lambda b, rngs: (baseline(b, rngs[0]), ()), _baseline_backward, lambda b, rngs: baseline(b, rngs[0])
+)
 
 
 def _cast(b: Block, dtype: torch.dtype) -> Block:
