@@ -27,23 +27,22 @@ Targets (H200): patched >= 1.1x eager tokens/s with lower peak memory; compile(p
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import time
 import traceback
-from typing import Optional
 
 import common
 import torch
-import torch.nn.functional as F
 from tabulate import tabulate
 
 from dispatch import timing
+from e2e_common import (
+    PARITY_TAIL, SEED, dispatch_backend,
+    markov_corpus, paired, plot, step, targets,
+)  # fmt: skip
 
 CONFIGS = ("eager", "patched", "compile", "compile+patched")
-CHAIN_VOCAB, CHAIN_FANOUT, SEED = 1024, 8, 20261130
-PARITY_TAIL, PARITY_TOL, SPEEDUP_TARGET = 20, 0.01, 1.1
 
 
 def arguments():
@@ -112,20 +111,6 @@ def gpt2_config(args):
     )  # fmt: skip
 
 
-def markov_corpus(n_seq: int, length: int) -> tuple[torch.Tensor, float]:
-    """(n_seq, length) token ids from the fixed chain, and the chain's entropy in nats per token."""
-    g = torch.Generator().manual_seed(SEED)
-    successors = torch.randint(0, CHAIN_VOCAB, (CHAIN_VOCAB, CHAIN_FANOUT), generator=g)
-    probs = 1.0 / torch.arange(1, CHAIN_FANOUT + 1, dtype=torch.float64)
-    probs /= probs.sum()
-    choice = torch.multinomial(probs, n_seq * length, replacement=True, generator=g).view(n_seq, length)
-    tokens = torch.empty(n_seq, length, dtype=torch.int64)
-    tokens[:, 0] = torch.randint(0, CHAIN_VOCAB, (n_seq,), generator=g)
-    for t in range(1, length):
-        tokens[:, t] = successors[tokens[:, t - 1], choice[:, t]]
-    return tokens, float(-(probs * probs.log()).sum())
-
-
 def build(config, state, device, patched: bool, bias_in_linear: bool = True, linear_dropout: bool = True):
     from transformers import GPT2LMHeadModel
 
@@ -137,18 +122,6 @@ def build(config, state, device, patched: bool, bias_in_linear: bool = True, lin
     options = dict(bias_in_linear=bias_in_linear, linear_dropout=linear_dropout)
     report = dispatch.patch(model, **options) if patched else None
     return model, report
-
-
-def step(model, opt, x, y, device) -> torch.Tensor:
-    """One training step (bf16 autocast, clipping, the optimizer); returns the loss, not synchronized."""
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        logits = model(input_ids=x).logits  # (B, T, vocab)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
 
 
 def train(model, batches, args, device) -> tuple[list[float], list[float], float]:
@@ -259,32 +232,6 @@ def duel(pair: tuple[str, str], config, state, batches, args, device) -> dict:
     return {"pair": list(pair), **paired(ms[0], ms[1])}
 
 
-def paired(first_ms: list[float], second_ms: list[float]) -> dict:
-    """Two configs' step milliseconds, stepped in turn: steps, each one's median, the median of the
-    per-pair ratios (second / first: < 1 means the second is faster) with a distribution-free 95%
-    interval (order statistics of the n ratios, ranks n/2 -+ 0.98 sqrt(n)), and how often the second
-    was faster."""
-    ratios = sorted(b / a for a, b in zip(first_ms, second_ms))
-    n = len(ratios)
-    half = 0.98 * n**0.5
-    lo, hi = ratios[max(0, int(n / 2 - half))], ratios[min(n - 1, int(n / 2 + half))]
-    return {
-        "steps": n,
-        "step_ms": [sorted(m)[len(m) // 2] for m in (first_ms, second_ms)],
-        "ratio": ratios[n // 2],
-        "ratio_95": [lo, hi],
-        "second_faster": sum(r < 1.0 for r in ratios) / n,
-    }
-
-
-def dispatch_backend(name):
-    if name is None:
-        return contextlib.nullcontext()
-    from dispatch import use_backend
-
-    return use_backend(name)
-
-
 def decisions(config, args, device) -> dict:
     """What the dispatcher picks for the patched MLP's three calls at this size (bf16, training)."""
     from dispatch import explain
@@ -302,86 +249,6 @@ def decisions(config, args, device) -> dict:
             "dropout": explain("fused_bias_act_dropout", y, drop_bias, "identity", args.dropout, True),
         }
     return {k: str(v) for k, v in calls.items()}
-
-
-def _moving_mean(values: list[float], k: int) -> list[float]:
-    return [sum(values[i - k : i]) / k for i in range(k, len(values) + 1)]
-
-
-GPT2_TITLE = "GPT-2 training, bf16 autocast, dropout 0.1: eager vs dispatch.patch vs torch.compile"
-
-
-def plot(rows, entropy, path, title: str = GPT2_TITLE) -> bool:
-    """Left: the loss curves overlaid. Right: each config's moving mean relative to eager's, in %."""
-    if not common.have_matplotlib():
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if r["status"] == "ok"]
-    eager = next((r for r in ok if r["config"] == "eager"), None)
-    fig, (curves, rel) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in ok:
-        curves.plot(r["losses"], label=r["config"], lw=1)
-        if eager is not None and r is not eager:
-            k = min(PARITY_TAIL, len(r["losses"]))
-            mine, base = _moving_mean(r["losses"], k), _moving_mean(eager["losses"], k)
-            diff = [100 * (a / b - 1) for a, b in zip(mine, base)]
-            rel.plot(range(k - 1, len(r["losses"])), diff, label=r["config"], lw=1)
-    curves.axhline(entropy, color="gray", ls=":", lw=1, label="chain entropy (the floor)")
-    curves.set(yscale="log", xlabel="step", ylabel="training loss", title="loss, same weights and batches")
-    for bound in (-100 * PARITY_TOL, 100 * PARITY_TOL):
-        rel.axhline(bound, color="gray", ls=":", lw=1)
-    rel.set(xlabel="step", ylabel="% vs eager", title=f"{PARITY_TAIL}-step moving mean relative to eager")
-    for ax in (curves, rel):
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def targets(rows, duels=()) -> list[list[str]]:
-    """[target, measured, PASS/MISS] for each target the rows (separate runs) and the duels (alternating
-    steps) can answer."""
-    by = {r["config"]: r for r in rows if r["status"] == "ok"}
-    out = []
-
-    def add(target: str, measured: str, ok: Optional[bool]) -> None:
-        out.append([target, measured, "-" if ok is None else "PASS" if ok else "MISS"])
-
-    if "eager" in by and "patched" in by:
-        e, p = by["eager"], by["patched"]
-        speedup = p["tokens_per_s"] / e["tokens_per_s"]
-        add(f"patched >= {SPEEDUP_TARGET}x eager tokens/s", f"{speedup:.3f}x", speedup >= SPEEDUP_TARGET)
-        if e["peak_gib"] is not None:
-            peaks = f"{p['peak_gib']:.2f} vs {e['peak_gib']:.2f} GiB"
-            add("patched peak memory < eager", peaks, p["peak_gib"] < e["peak_gib"])
-        rel = abs(p["final_loss"] - e["final_loss"]) / e["final_loss"]
-        add(f"loss parity, mean of last {PARITY_TAIL} steps, <= 1%", f"{100 * rel:.2f}%", rel <= PARITY_TOL)
-    if "compile" in by and "compile+patched" in by:
-        ratio = by["compile+patched"]["tokens_per_s"] / by["compile"]["tokens_per_s"]
-        add("compile+patched >= compile tokens/s (separate runs)", f"{ratio:.4f}x", ratio >= 1.0)
-    for d in duels:
-        first, second = d["pair"]
-        speed = 1.0 / d["ratio"]  # tokens/s of the second over the first
-        lo, hi = 1.0 / d["ratio_95"][1], 1.0 / d["ratio_95"][0]
-        share = d["second_faster"]
-        if "patched" in first and "patched" not in second:  # stepped patched-first: read it the other way
-            first, second = second, first
-            speed, lo, hi, share = d["ratio"], d["ratio_95"][0], d["ratio_95"][1], 1.0 - share
-        faster = f"faster in {100 * share:.0f}% of pairs"
-        measured = f"{speed:.4f}x (95%: {lo:.4f}-{hi:.4f}), {faster}"
-        if first == second:
-            add(f"control: two builds of {first} (no target)", measured, None)
-        elif first == "eager":
-            add(f"duel: {second} >= {SPEEDUP_TARGET}x {first} tokens/s", measured, lo >= SPEEDUP_TARGET)
-        else:  # the same graphs by design: the claim is "not slower", which holds unless the interval says so
-            add(f"duel: {second} not slower than {first} (95% interval reaches 1)", measured, hi >= 1.0)
-    return out
 
 
 def summary(rows, config, args, entropy, duels=()) -> None:

@@ -4,7 +4,7 @@ A LLaMA-style model from a transformers LlamaConfig, random init (nothing downlo
 1024, SwiGLU intermediate 4096, 16 heads, vocab 32000, context 2048, sdpa attention, no dropout: 200M
 parameters, 3.2 GB with float32 gradients and AdamW state, while a batch of 8 x 2048 tokens keeps, by
 estimate, several times that in activations (the MLP's gate, up, silu and product outputs among them).
-bf16 autocast, fused AdamW, clipping: ``bench_e2e.step``; data: bench_e2e's Markov chain (its entropy
+bf16 autocast, fused AdamW, clipping: ``e2e_common.step``; data: bench_e2e's Markov chain (its entropy
 is the loss floor).
 
 Training (the default): eager and ``dispatch.patch(model)`` (its report printed) start from the same
@@ -12,7 +12,7 @@ weights. Each first runs ``--warmup`` steps alone (compiles, autotuning; its own
 torch.cuda.max_memory_allocated over those steps, less what was allocated before it was built, the other
 model idle), then the two step in turn on the same batches, a duel, so both see one GPU clock and host
 phase: tokens/s from each one's median step time (CUDA events on the stream), the median of the per-step
-ratios with a 95% interval (``bench_e2e.paired``), loss curves of every step to a PNG (matplotlib), and
+ratios with a 95% interval (``e2e_common.paired``), loss curves of every step to a PNG (matplotlib), and
 bench_e2e's targets (speedup, peak memory, loss parity over the last 20 steps).
 
 ``--find-max-batch``: instead, for each model alone, the largest batch whose two training steps fit
@@ -30,8 +30,8 @@ import time
 import traceback
 from typing import Optional
 
-import bench_e2e
 import common
+import e2e_common
 import torch
 from tabulate import tabulate
 
@@ -64,8 +64,8 @@ def arguments():
         vars(args).update(SMOKE)
         args.tag = args.tag or "cpu_smoke"
     args.steps = args.steps or (30 if args.quick else 100)
-    if args.vocab < bench_e2e.CHAIN_VOCAB:
-        p.error(f"--vocab must be at least the chain's {bench_e2e.CHAIN_VOCAB} tokens, got {args.vocab}")
+    if args.vocab < e2e_common.CHAIN_VOCAB:
+        p.error(f"--vocab must be at least the chain's {e2e_common.CHAIN_VOCAB} tokens, got {args.vocab}")
     return args
 
 
@@ -121,9 +121,9 @@ def prepare(name: str, config, state: dict, batches, args, device) -> dict:
         run.update(patch=str(report), replaced=len(report))
         if not len(report):
             print("dispatch.patch replaced nothing: the patched model is the eager one")
-    with bench_e2e.dispatch_backend(args.backend):
+    with e2e_common.dispatch_backend(args.backend):
         for x, y in batches[: args.warmup]:
-            run["losses"].append(bench_e2e.step(model, opt, x, y, device))
+            run["losses"].append(e2e_common.step(model, opt, x, y, device))
             sched.step()
     timing.synchronize(device)
     run["warmup_s"] = time.perf_counter() - start
@@ -136,13 +136,13 @@ def duel(runs: list[dict], batches, args, device) -> list[list[float]]:
     """The runs stepped in turn on each batch after the warm-up, the first one alternating so that
     neither always goes first; each one's step milliseconds (CUDA events: the GPU's clock)."""
     marks: list[list] = [[] for _ in runs]
-    with bench_e2e.dispatch_backend(args.backend):
+    with e2e_common.dispatch_backend(args.backend):
         for i, (x, y) in enumerate(batches[args.warmup :]):
             order = list(range(len(runs)))
             for k in order if i % 2 == 0 else order[::-1]:
                 r = runs[k]
                 start = timing.stamp(device)
-                r["losses"].append(bench_e2e.step(r["model"], r["opt"], x, y, device))
+                r["losses"].append(e2e_common.step(r["model"], r["opt"], x, y, device))
                 r["sched"].step()
                 marks[k].append((start, timing.stamp(device)))
     timing.synchronize(device)
@@ -153,7 +153,7 @@ def summarize(run: dict, ms: list[float], args) -> dict:
     """A results row as bench_e2e's: tokens/s from the median step, the loss curve, memory."""
     median = sorted(ms)[len(ms) // 2]
     losses = torch.stack(run["losses"]).float().tolist()
-    tail = losses[-bench_e2e.PARITY_TAIL :]
+    tail = losses[-e2e_common.PARITY_TAIL :]
     keep = ("config", "patch", "replaced", "warmup_s", "peak_gib", "resident_gib")
     return {
         **{k: run[k] for k in keep if k in run},
@@ -166,7 +166,7 @@ def summarize(run: dict, ms: list[float], args) -> dict:
 
 
 def train(config, state: dict, args, device) -> dict:
-    corpus, entropy = bench_e2e.markov_corpus((args.warmup + args.steps) * args.batch, args.seq + 1)
+    corpus, entropy = e2e_common.markov_corpus((args.warmup + args.steps) * args.batch, args.seq + 1)
     corpus = corpus.to(device).view(args.warmup + args.steps, args.batch, args.seq + 1)
     batches = [(c[:, :-1], c[:, 1:]) for c in corpus]
     runs, rows = [], []
@@ -186,17 +186,17 @@ def train(config, state: dict, args, device) -> dict:
         error = f"duel: {timing.describe(exc)}"
         rows += [{"config": r["config"], "status": "failed", "error": error} for r in runs]
         runs = []
-    duels = [{"pair": [r["config"] for r in runs], **bench_e2e.paired(*ms)}] if len(runs) == 2 else []
+    duels = [{"pair": [r["config"] for r in runs], **e2e_common.paired(*ms)}] if len(runs) == 2 else []
     by = {r["config"]: r for r in rows if r["status"] == "ok"}
     if "eager" in by:
         for r in by.values():
             r["x_eager"] = r["tokens_per_s"] / by["eager"]["tokens_per_s"]
     png = common.path(args, "bench_e2e_llama_loss", "png")
     title = f"LLaMA {args.layers}x{args.hidden} training, bf16 autocast, batch {args.batch}: eager vs patched"
-    drawn = bench_e2e.plot(rows, entropy, png, title=title)
+    drawn = e2e_common.plot(rows, entropy, png, title=title)
     print(f"wrote {png}" if drawn else "no matplotlib: no plot")
     return {"chain_entropy_nats": entropy, "duels": duels, "rows": rows, "plot": png if drawn else None,
-            "targets": bench_e2e.targets(rows, duels)}  # fmt: skip
+            "targets": e2e_common.targets(rows, duels)}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the largest batch
@@ -218,10 +218,10 @@ def fits(name: str, batch: int, config, state: dict, args, device) -> tuple[bool
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         model, opt, _, _ = build(name, config, state, args, device)
-        x = torch.randint(0, bench_e2e.CHAIN_VOCAB, (batch, args.seq + 1), device=device)
-        with bench_e2e.dispatch_backend(args.backend):
+        x = torch.randint(0, e2e_common.CHAIN_VOCAB, (batch, args.seq + 1), device=device)
+        with e2e_common.dispatch_backend(args.backend):
             for _ in range(TRIAL_STEPS):
-                bench_e2e.step(model, opt, x[:, :-1], x[:, 1:], device)
+                e2e_common.step(model, opt, x[:, :-1], x[:, 1:], device)
         timing.synchronize(device)
         ok = True
     except Exception as exc:
@@ -271,7 +271,7 @@ def decisions(config, args, device) -> dict:
     m, h, f = args.batch * args.seq, config.hidden_size, config.intermediate_size
     kw = {"device": device, "dtype": torch.bfloat16, "requires_grad": True}
     x, gate, up, down = (torch.randn(*s, **kw) for s in ((m, h), (f, h), (f, h), (h, f)))
-    with bench_e2e.dispatch_backend(args.backend):
+    with e2e_common.dispatch_backend(args.backend):
         return {"mlp": str(explain("fused_mlp", x, (gate, up), None, down, None, "swiglu"))}
 
 
@@ -310,7 +310,7 @@ def main() -> None:
         from transformers import LlamaForCausalLM
 
         config = llama_config(args)
-        torch.manual_seed(bench_e2e.SEED)
+        torch.manual_seed(e2e_common.SEED)
         state = LlamaForCausalLM(config).state_dict()  # on the host, out of the memory peaks
         params = sum(t.numel() for t in state.values())
         model = {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
