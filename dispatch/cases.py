@@ -51,11 +51,11 @@ def run_once(name: Optional[str], case: Case, inp: Inputs) -> list[Tensor]:
     return [y.detach(), *(t.grad for t in leaves)]
 
 
-def reference(case: Case, inp: Inputs, drawn: Optional[Tensor] = None) -> list[Tensor]:
-    """The float64 reference of run_once's outputs, with the mask recovered from ``drawn`` if given."""
+def reference(case: Case, inp: Inputs, torch_masks: bool = False) -> list[Tensor]:
+    """The float64 reference of run_once's outputs, with torch's masks replayed for ``torch_masks``."""
     leaves = leaf_tensors(case, inp, torch.float64)
     with torch.set_grad_enabled(case.training):
-        y = ops.get(case.op).reference_case(case, leaves, inp.seed, drawn)
+        y = ops.get(case.op).reference_case(case, leaves, inp.seed, torch_masks)
     if not case.training:
         return [y]
     y.backward(inp.grad_y.double())
@@ -103,7 +103,7 @@ def check(name: str, case: Case, inp: Inputs, refs: list[Tensor], eager: list[Te
     except Exception as exc:  # a broken backend is reported, never fatal
         return Check((), (), timing.describe(exc))
     if case.dropout and _torch_masks(name):
-        refs = reference(case, inp, drawn=outs[0])
+        refs = reference(case, inp, torch_masks=True)
         plain = reference(dataclasses.replace(case, dropout=False, training=False), inp)[0]
         why = drop_rate_failure(outs[0].double(), plain, case.p)
         if why:

@@ -180,7 +180,7 @@ def report(rows: list[Row], skipped: dict[str, set[str]]) -> str:
     for name, why in sorted(skipped.items()):
         lines.append(f"skipped {name} for some or all cases: {'; '.join(sorted(why))}")
     lines.append(
-        "allowed error: 2 * err(eager in the same dtype) + atol + rtol * max|ref| (dispatch/contracts/tolerances.py)"
+        "allowed error: 2 * err(eager in the same dtype) + atol + rtol * max|ref| (contracts/tolerances.py)"
     )
     return "\n".join(lines)
 

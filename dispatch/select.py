@@ -159,10 +159,6 @@ def spec_masks(required: bool = True) -> None:
     _impls.clear()
 
 
-def spec_masks_required() -> bool:
-    return _spec_masks
-
-
 _spec_masks = False
 
 

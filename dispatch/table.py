@@ -2,8 +2,9 @@
 
 Rows are token-count buckets M, columns feature sizes (the op's dims after M: N, or N,K for
 fused_linear), each cell the backend lookup chooses there and its measured speedup over plain PyTorch
-(the composite a user writes; schema 1 tables, which did not time it, over the eager backend). Activations whose cells are
-all equal share one table. ``--gpu`` takes a device slug or name (nvidia-h200, "NVIDIA H200"), or a path.
+(the composite a user writes; schema 1 tables, which did not time it, over the eager backend).
+Activations whose cells are all equal share one table. ``--gpu`` takes a device slug or name
+(nvidia-h200, "NVIDIA H200"), or a path.
 """
 
 from __future__ import annotations

@@ -84,10 +84,6 @@ class ScaledAdd(OpSpec):
     def traced(self, c: OpCall, backend: Optional[str], inline: bool) -> Tensor:
         return self.baseline(c)
 
-    def reference(self, c: OpCall, upcast: bool = False) -> Tensor:
-        dtype = torch.float64 if upcast else c.x.dtype  # type: ignore[attr-defined]
-        return _math(c.x.to(dtype), c.y.to(dtype), c.scale)  # type: ignore[attr-defined]
-
     def baseline(self, c: OpCall) -> Tensor:
         return torch.add(c.y, c.x, alpha=c.scale)  # type: ignore[attr-defined]
 
@@ -110,7 +106,7 @@ class ScaledAdd(OpSpec):
         x, y = leaves
         return torch.add(y, x, alpha=3.0) if backend is None else scaled_add(x, y, 3.0, backend=backend)
 
-    def reference_case(self, case: Case, leaves: Sequence[Tensor], seed: int, drawn=None) -> Tensor:
+    def reference_case(self, case: Case, leaves: Sequence[Tensor], seed: int, torch_masks=False) -> Tensor:
         return _math(leaves[0], leaves[1], 3.0)
 
 

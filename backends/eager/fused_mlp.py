@@ -25,28 +25,25 @@ from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import ACTIVATIONS, GATES, composed_backward
 from dispatch.contracts.backend import Kernels
 from dispatch.contracts.op import compute_dtype
-from dispatch.ops.fused_mlp import Block, activate, project_in
+from dispatch.ops.fused_mlp import Block, activate, drop, project_in
 
 
-def _dropped(t: Tensor, p: float, rng: Any) -> Tensor:
-    """t * keep * scale with the spec's mask (F.dropout's product), out of place."""
-    if rng is None or p == 0.0:
-        return t
-    keep = dropout_rng.keep_mask(rng, t.shape[0], t.shape[1], p, t.device)
-    return t * keep * dropout_rng.keep_scale(p)
+def _keep(rng: Any, p: float, rows: int, cols: int, device: torch.device) -> Optional[Tensor]:
+    """The spec's (rows, cols) keep mask of ``rng``, None without dropout."""
+    return None if rng is None or p == 0.0 else dropout_rng.keep_mask(rng, rows, cols, p, device)
 
 
-def _hidden(pre: Tensor, b: Block, rng: Any) -> Tensor:
+def _hidden(pre: Tensor, b: Block, keep: Optional[Tensor]) -> Tensor:
     """drop_p(act(pre)) in x's dtype, the math in float32 for half inputs."""
-    a = activate(pre.to(compute_dtype(pre.dtype)), b.activation)
-    return _dropped(a, b.p, rng).to(pre.dtype)
+    return drop(activate(pre.to(compute_dtype(pre.dtype)), b.activation), b.p, None, keep).to(pre.dtype)
 
 
 def forward(b: Block, rngs: tuple) -> tuple[Tensor, tuple[Tensor, ...]]:
     pre = project_in(b.x, b)  # (M, F) or (M, 2F)
-    y = F.linear(_hidden(pre, b, rngs[0]), b.w_out, b.b_out)  # (M, H_out)
+    m, f = pre.shape[0], b.w_out.shape[1]
+    y = F.linear(_hidden(pre, b, _keep(rngs[0], b.p, m, f, pre.device)), b.w_out, b.b_out)  # (M, H_out)
     if b.p_out > 0:
-        y = _dropped(y.to(compute_dtype(y.dtype)), b.p_out, rngs[1]).to(y.dtype)
+        y = drop(y.to(compute_dtype(y.dtype)), b.p_out, rngs[1]).to(y.dtype)
     return y, (pre,)
 
 
@@ -55,7 +52,7 @@ def inference(b: Block, rngs: tuple) -> Tensor:
 
 
 def _grad_pre(grad_a: Tensor, pre: Tensor, activation: str) -> Tensor:
-    """grad_a * act'(pre) in float32; for a gate (gate, up) -> (grad_a * up * act'(gate), grad_a * act(gate))."""
+    """grad_a * act'(pre) in float32; for a gate, (grad_a * up * act'(gate), grad_a * act(gate))."""
     if activation in GATES:
         gate, up = pre.chunk(2, dim=-1)
         act = ACTIVATIONS[GATES[activation]]
@@ -73,12 +70,13 @@ def backward(
     (pre,) = saved
     need_x, need_w_in, need_w_up, need_b_in, need_b_up, need_w_out, need_b_out = needs
     dtype, math = b.x.dtype, compute_dtype(b.x.dtype)
-    g = _dropped(grad_y.to(math), b.p_out, rngs[1]).to(dtype) if b.p_out > 0 else grad_y  # (M, H_out)
+    g = drop(grad_y.to(math), b.p_out, rngs[1]).to(dtype) if b.p_out > 0 else grad_y  # (M, H_out)
     grad_b_out = g.sum(0, dtype=math).to(dtype) if need_b_out and b.b_out is not None else None
-    grad_w_out = g.t() @ _hidden(pre, b, rngs[0]) if need_w_out else None  # (H_out, F)
+    keep = _keep(rngs[0], b.p, pre.shape[0], b.w_out.shape[1], pre.device)  # regenerated once for both uses
+    grad_w_out = g.t() @ _hidden(pre, b, keep) if need_w_out else None  # (H_out, F)
     if not (need_x or need_w_in or need_w_up or need_b_in or need_b_up):
         return None, None, None, None, None, grad_w_out, grad_b_out
-    grad_a = _dropped((g @ b.w_out).to(math), b.p, rngs[0])  # (M, F)
+    grad_a = drop((g @ b.w_out).to(math), b.p, None, keep)  # (M, F)
     grad_pre = _grad_pre(grad_a, pre.to(math), b.activation)  # (M, F) or (M, 2F), float32
     sums = grad_pre.sum(0)
     grad_pre = grad_pre.to(dtype)

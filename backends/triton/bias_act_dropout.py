@@ -549,12 +549,6 @@ def backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str,
     _check(x, bias)
     if grad_y.shape != x.shape:
         raise ValueError(f"grad_y must have x's shape {tuple(x.shape)}, got {tuple(grad_y.shape)}")
-    return _backward(grad_y, x, bias, activation, p, rng, need_x, need_bias)
-
-
-def _backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Rng],
-        need_x: bool, need_bias: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:  # fmt: skip
-    """``backward`` on arguments the caller validated (``KERNELS``)."""
     return backward_pass(grad_y, x, bias, activation, p, rng, need_x, need_bias and bias is not None)
 
 
@@ -623,4 +617,4 @@ def backward_pass(
 
 # The dispatcher's kernels skip this module's own argument checks: the spec validated the call, and
 # the checks cost ~1.2-1.7 us of host time a call hot, over twice that right after other torch work.
-KERNELS = Kernels(forward=_forward, backward=_backward, inference=_forward)
+KERNELS = Kernels(forward=_forward, backward=backward_pass, inference=_forward)

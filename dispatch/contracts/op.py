@@ -120,14 +120,6 @@ class OpSpec:
         """The call under torch.compile: plain math inductor fuses (``inline``), or a custom op."""
         raise NotImplementedError
 
-    def reference(self, c: OpCall, upcast: bool = False) -> Tensor:
-        """The differentiable definition (float64 when ``upcast``), the spec's dropout mask."""
-        raise NotImplementedError
-
-    def baseline(self, c: OpCall) -> Tensor:
-        """The composite a user would write, dropout from torch's RNG."""
-        raise NotImplementedError
-
     def baseline_kernels(self) -> Kernels:
         """The baseline as kernels (the pytorch backend's): torch's autograd, torch's masks."""
         raise NotImplementedError
@@ -150,10 +142,10 @@ class OpSpec:
         raise NotImplementedError
 
     def reference_case(
-        self, case: Case, leaves: Sequence[Tensor], seed: int, drawn: Optional[Tensor] = None
+        self, case: Case, leaves: Sequence[Tensor], seed: int, torch_masks: bool = False
     ) -> Tensor:
-        """The reference on ``leaves`` with the case's dropout mask, or the mask recovered from an output
-        ``drawn`` by a backend whose masks come from torch's RNG."""
+        """The reference on ``leaves`` with the mask the case's run drew from its seeded generator: the
+        spec's, or with ``torch_masks`` torch's (replayed by ``torch_keep``)."""
         raise NotImplementedError
 
 

@@ -56,20 +56,12 @@ def all_specs() -> list[OpSpec]:
 
 def baseline_kernels(op: str) -> Optional[Kernels]:
     """The spec's baseline as kernels (the pytorch backend serves every op so), None for no such op."""
-    return _specs_kernels(op, "baseline")
+    return get(op).baseline_kernels() if op in names() else None
 
 
 def reference_kernels(op: str) -> Optional[Kernels]:
     """The spec's reference as kernels, for the eager backend where it has no kernel file of the op."""
-    return _specs_kernels(op, "reference")
-
-
-def _specs_kernels(op: str, which: str) -> Optional[Kernels]:
-    try:
-        spec = get(op)
-    except ValueError:
-        return None
-    return spec.baseline_kernels() if which == "baseline" else spec.reference_kernels()
+    return get(op).reference_kernels() if op in names() else None
 
 
 def every_op_backend(

@@ -327,15 +327,6 @@ class BiasActDropoutSpec(OpSpec):
         rng = dropout_rng.draw(c.x.device, c.generator) if c.dropout else None
         return _custom(rows(c), c.bias, c.activation, c.p, rng, backend or "", c.call.training).view(c.shape)
 
-    def reference(self, c: OpCall, upcast: bool = False) -> Tensor:
-        assert isinstance(c, BiasActDropoutCall)
-        rng = dropout_rng.draw_for(c.x, c.generator) if c.dropout else None
-        return reference(c.x, c.bias, c.activation, c.p, rng, upcast)
-
-    def baseline(self, c: OpCall) -> Tensor:
-        assert isinstance(c, BiasActDropoutCall)
-        return baseline(c.x, c.bias, c.activation, c.p, c.generator)
-
     def baseline_kernels(self) -> Kernels:
         return BASELINE_KERNELS
 
@@ -356,10 +347,10 @@ class BiasActDropoutSpec(OpSpec):
         return fused_bias_act_dropout(x, b, case.activation, case.p, True, generator=gen, backend=backend)
 
     def reference_case(self, case: Case, leaves: Sequence[Tensor], seed: int,
-                       drawn: Optional[Tensor] = None) -> Tensor:  # fmt: skip
+                       torch_masks: bool = False) -> Tensor:  # fmt: skip
         x, b = leaves
         gen = _generator(case, seed)
-        if drawn is not None and gen is not None:  # torch's mask: replayed from the run's generator
+        if torch_masks and gen is not None:  # torch's mask: replayed from the run's generator
             keep = torch_keep(x.shape, case.dtype, x.device, case.p, gen)
             return reference(x, b, case.activation, case.p, upcast=True, keep=keep)
         rng = dropout_rng.draw_for(x, gen) if gen is not None else None  # as the op draws

@@ -313,14 +313,6 @@ class FusedLinearSpec(OpSpec):
             c.out_shape
         )
 
-    def reference(self, c: OpCall, upcast: bool = False) -> Tensor:
-        assert isinstance(c, FusedLinearCall)
-        return reference(c.x, c.weight, c.bias, c.activation, upcast)
-
-    def baseline(self, c: OpCall) -> Tensor:
-        assert isinstance(c, FusedLinearCall)
-        return baseline(c.x, c.weight, c.bias, c.activation)
-
     def baseline_kernels(self) -> Kernels:
         return BASELINE_KERNELS
 
@@ -341,7 +333,7 @@ class FusedLinearSpec(OpSpec):
         return fused_linear(x, w, b, case.activation, backend=backend)
 
     def reference_case(self, case: Case, leaves: Sequence[Tensor], seed: int,
-                       drawn: Optional[Tensor] = None) -> Tensor:  # fmt: skip
+                       torch_masks: bool = False) -> Tensor:  # fmt: skip
         x, w, b = leaves
         return reference(x, w, b, case.activation, upcast=True)
 

@@ -165,12 +165,13 @@ def reference(b: Block, rngs: tuple[Any, Any] = (None, None), upcast: bool = Fal
     are the spec's for ``rngs``, or ``keeps`` (masks another RNG drew)."""
     dtype = torch.float64 if upcast else b.x.dtype
     a = activate(project_in(b.x, b, dtype), b.activation)
-    a = _drop(a, b.p, rngs[0], keeps[0])
+    a = drop(a, b.p, rngs[0], keeps[0])
     y = F.linear(a, b.w_out.to(dtype), None if b.b_out is None else b.b_out.to(dtype))
-    return _drop(y, b.p_out, rngs[1], keeps[1])
+    return drop(y, b.p_out, rngs[1], keeps[1])
 
 
-def _drop(t: Tensor, p: float, rng: Any, keep: Optional[Tensor]) -> Tensor:
+def drop(t: Tensor, p: float, rng: Any, keep: Optional[Tensor] = None) -> Tensor:
+    """t * keep * scale (F.dropout's product), the mask ``keep`` or the spec's for ``rng``."""
     if keep is None and rng is not None and p > 0:
         keep = dropout_rng.keep_mask(rng, t.shape[0], t.shape[1], p, t.device)
     return t if keep is None else t * keep * dropout_rng.keep_scale(p)  # F.dropout's product
@@ -309,7 +310,6 @@ class FusedMLPSpec(OpSpec):
         assert isinstance(c, FusedMLPCall)
         b = c.block
         keeps = tuple(torch.zeros((), device=b.x.device) if p == 1.0 else None for p in (b.p, b.p_out))
-        b = b._replace(p=min(b.p, 0.5), p_out=min(b.p_out, 0.5))  # any scale: the mask is zero
         return reference(b, (None, None), keeps=keeps).view(c.out_shape)  # type: ignore[arg-type]
 
     def traced(self, c: OpCall, backend: Optional[str], inline: bool) -> Tensor:
@@ -317,14 +317,6 @@ class FusedMLPSpec(OpSpec):
         pointwise work; whether an opaque op beats it is not measured)."""
         assert isinstance(c, FusedMLPCall)
         return baseline(c.block).view(c.out_shape)
-
-    def reference(self, c: OpCall, upcast: bool = False) -> Tensor:
-        assert isinstance(c, FusedMLPCall)
-        return reference(c.block, upcast=upcast).view(c.out_shape)
-
-    def baseline(self, c: OpCall) -> Tensor:
-        assert isinstance(c, FusedMLPCall)
-        return baseline(c.block, c.generator).view(c.out_shape)
 
     def baseline_kernels(self) -> Kernels:
         return BASELINE_KERNELS
@@ -356,7 +348,7 @@ class FusedMLPSpec(OpSpec):
         )
 
     def reference_case(self, case: Case, leaves: Sequence[Tensor], seed: int,
-                       drawn: Optional[Tensor] = None) -> Tensor:  # fmt: skip
+                       torch_masks: bool = False) -> Tensor:  # fmt: skip
         x, w_in, b_in, w_out, b_out = leaves
         p = case.p if case.dropout else 0.0
         block = Block(x, w_in, None, b_in, None, w_out, b_out, case.activation, p, p)
@@ -364,7 +356,7 @@ class FusedMLPSpec(OpSpec):
             return reference(block, upcast=True)
         gen = torch.Generator(device=case.device).manual_seed(seed + 1)
         m, (h, f) = case.m, case.features
-        if drawn is not None:  # torch's masks: replayed from the run's generator, hidden then output
+        if torch_masks:  # torch's masks: replayed from the run's generator, hidden then output
             keeps = tuple(torch_keep(s, case.dtype, x.device, p, gen) for s in ((m, f), (m, h)))
             return reference(block, upcast=True, keeps=keeps)
         rngs = (dropout_rng.draw_for(x, gen, m * f), dropout_rng.draw_for(x, gen, m * h))
