@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from dispatch import fused_mlp
-from dispatch.backends.triton import gate
+from dispatch.backends.triton import fused_mlp as triton_fused_mlp
+from dispatch.backends.triton import gate, mlp_gemm
 from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import GATED_NAMES, GATES
 from dispatch.contracts.tolerances import check
@@ -30,6 +31,14 @@ if triton_backend.unavailable():
 
 F32, BF16 = torch.float32, torch.bfloat16
 GRADS = tuple(f"grad_{name}" for name in TENSORS)
+
+
+@pytest.fixture(autouse=True, params=triton_fused_mlp.VARIANTS)
+def variant(request):
+    """Every test under each variant: the products on cuBLAS with passes, and on Triton with the
+    passes in their epilogues."""
+    with triton_fused_mlp.options(variant=request.param):
+        yield request.param
 
 
 def _inputs(activation, pair, bias, dtype, shape, device, x_shape=None):
@@ -197,6 +206,51 @@ def test_host_rng_equals_its_tensor_form(device):
         gate.backward(grad_a, pre, "swiglu", 0.3, tensor, True, True, True),
     ):
         assert torch.equal(a, b)
+
+
+def test_epilogue_kernels_take_host_rng_words(device):
+    """The epilogue kernels with a HostRng of high bits set: the same a, pre and gradients as the same
+    (seed, offset) as a tensor, and what the pass kernels make of the same pre."""
+    host = dropout_rng.HostRng(2**64 - 3, 2**32 + 7)
+    tensor = dropout_rng.as_tensor(host, torch.device(device))
+    x, w, w_up = (torch.randn(9, 5, device=device), torch.randn(13, 5, device=device),
+                  torch.randn(13, 5, device=device))  # fmt: skip
+    g, w_out = torch.randn(9, 4, device=device), torch.randn(4, 13, device=device)
+    results = []
+    for rng in (host, tensor):
+        a, pre = torch.empty(9, 13, device=device), torch.empty(9, 26, device=device)
+        mlp_gemm.up(x, w, w_up, None, None, "silu", 0.3, rng, a, pre)
+        grads = mlp_gemm.grad_hidden(g, w_out, pre, "silu", True, 0.3, rng, True, True, True)
+        results.append((a, pre, *grads))
+    for first, second in zip(*results):
+        assert torch.equal(first, second)
+    a, pre, grad_pre, a_again, grad_bias = results[0]
+    assert torch.equal(a, a_again)
+    check("a", a, gate.forward(pre, "swiglu", 0.3, host))
+    want_pre, _, want_bias = gate.backward(g @ w_out, pre, "swiglu", 0.3, host, True, False, True)
+    check("grad_pre", grad_pre, want_pre)
+    check("grad_bias", grad_bias, want_bias)
+
+
+def test_epilogue_variant_runs_its_kernels(device, variant, monkeypatch):
+    """Under "epilogues" both products that carry hidden-layer work run mlp_gemm's kernels (a silent
+    fallback to the passes would pass every parity test); a pair of differently laid-out weights
+    falls back to the passes."""
+    calls = []
+    for name in ("up", "grad_hidden"):
+        real = getattr(mlp_gemm, name)
+        monkeypatch.setattr(
+            mlp_gemm, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+        )
+    tensors = _inputs("geglu", True, True, F32, (7, 5, 6, 5), device)
+    assert_matches(tensors, "geglu", 0.3, 0.2)
+    # hidden layer and output dropout forward, the hidden layer's gradient backward
+    assert calls == (["up", "up", "grad_hidden"] if variant == "epilogues" else [])
+    calls.clear()
+    x, w_in, w_up, b_in, b_up, w_out, b_out = tensors
+    transposed = (x, w_in, w_up.t().contiguous().t(), b_in, b_up, w_out, b_out)
+    assert_matches(transposed, "geglu", 0.3, 0.2)
+    assert "grad_hidden" not in calls
 
 
 # ----------------------------------------------------------------------------- inference

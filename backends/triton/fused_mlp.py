@@ -19,18 +19,55 @@ PyTorch module's 0.470 at GPT-2's 8192 x 768 x 3072 and 10.0 against 10.3 ms at 
 4096 x 11008 swiglu, keeping half its bytes for backward (48 vs 96 MiB, 344 vs 688 MiB).
 The bias stays inside the first product, rounded with it once: a bias added after rounding x @ W^T
 flips relu-like masks where |x @ W^T| >> |x @ W^T + b| (fused_linear.py's forward).
+
+Variant "epilogues" (``options``; mlp_gemm.py) runs the products that carry pointwise work on Triton
+with that work in their epilogues: pre and a from the first product (a gate's two halves from one
+pass over x), y's bias and output dropout from the second, and grad_pre, a and the bias partials
+from g @ W_out; the other products stay on cuBLAS. Its speed against "passes" is unmeasured, so
+"passes" is the default.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
 
-from dispatch.backends.triton import bias_act_dropout, gate
+from dispatch.backends.triton import bias_act_dropout, gate, mlp_gemm
+from dispatch.contracts.activations import GATES
 from dispatch.contracts.backend import Kernels
 from dispatch.ops.fused_mlp import Block
+
+VARIANTS = ("passes", "epilogues")
+DEFAULT_VARIANT = "passes"  # until bench_mlp --variants measures "epilogues" on the GPU
+_chosen: list[Optional[str]] = [None]
+
+
+@contextlib.contextmanager
+def options(variant: Optional[str] = None) -> Iterator[None]:
+    """Forces a variant inside the block (benchmarks, tests)."""
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}; got {variant!r}")
+    saved, _chosen[0] = _chosen[0], variant
+    try:
+        yield
+    finally:
+        _chosen[0] = saved
+
+
+def _variant(b: Block) -> bool:
+    """Whether this call's products run with the epilogues: asked for, and operands they serve (no
+    empty dims, a pair's weights of one layout, biases of unit stride); "passes" otherwise."""
+    if (_chosen[0] or DEFAULT_VARIANT) != "epilogues":
+        return False
+    biases = (t for t in (b.b_in, b.b_up, b.b_out) if t is not None)
+    return (
+        min(*b.x.shape, *b.w_out.shape) > 0
+        and (b.w_up is None or b.w_up.stride() == b.w_in.stride())
+        and all(t.stride(0) == 1 for t in biases)
+    )
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
@@ -53,6 +90,8 @@ def _project_in(b: Block) -> Tensor:
 
 
 def forward(b: Block, rngs: tuple) -> tuple[Tensor, tuple[Tensor]]:
+    if _variant(b):
+        return _forward_epilogues(b, rngs, keep_pre=True)
     pre = _project_in(b)  # (M, F) or (M, 2F)
     a = gate.forward(pre, b.activation, b.p, rngs[0] if b.p > 0 else None)  # (M, F)
     y = _linear(a, b.w_out, b.b_out)  # (M, H_out)
@@ -61,7 +100,36 @@ def forward(b: Block, rngs: tuple) -> tuple[Tensor, tuple[Tensor]]:
     return y, (pre,)
 
 
+def _gate_halves(b: Block) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(w, w_up, b, b_up) of the first projection: a gate's halves as views (stacked) or the pair."""
+    if b.activation not in GATES:
+        return b.w_in, None, b.b_in, None
+    if b.w_up is not None:
+        return b.w_in, b.w_up, b.b_in, b.b_up
+    f = b.w_in.shape[0] // 2
+    bias = (None, None) if b.b_in is None else (b.b_in[:f], b.b_in[f:])
+    return b.w_in[:f], b.w_in[f:], *bias
+
+
+def _forward_epilogues(b: Block, rngs: tuple, keep_pre: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """The products on Triton with the hidden layer's work (and the output dropout) in their epilogues."""
+    w, w_up, bias, bias_up = _gate_halves(b)
+    m, f = b.x.shape[0], w.shape[0]
+    pre = b.x.new_empty((m, 2 * f if w_up is not None else f)) if keep_pre else None
+    a = b.x.new_empty((m, f))
+    act = GATES.get(b.activation, b.activation)
+    mlp_gemm.up(b.x, w, w_up, bias, bias_up, act, b.p, rngs[0] if b.p > 0 else None, a, pre)
+    if b.p_out > 0:
+        y = b.x.new_empty((m, b.w_out.shape[0]))
+        mlp_gemm.up(a, b.w_out, None, b.b_out, None, "identity", b.p_out, rngs[1], y)
+    else:
+        y = _linear(a, b.w_out, b.b_out)
+    return y, (() if pre is None else (pre,))
+
+
 def inference(b: Block, rngs: tuple) -> Tensor:
+    if _variant(b):
+        return _forward_epilogues(b, rngs, keep_pre=False)[0]
     return forward(b, rngs)[0]
 
 
@@ -82,11 +150,15 @@ def backward(
         g = grad_y if dropped is None else dropped
     rng = rngs[0] if b.p > 0 else None
     grad_pre = a = grad_b = None
-    if need_pre or need_b:
-        grad_a = torch.mm(g, b.w_out)  # (M, F)
-        grad_pre, a, grad_b = gate.backward(
-            grad_a, pre, b.activation, b.p, rng, need_pre, need_w_out, need_b
+    if (need_pre or need_b) and _variant(b):  # g @ W_out with the pass in its epilogue
+        gated = b.activation in GATES
+        act = GATES.get(b.activation, b.activation)
+        grad_pre, a, grad_b = mlp_gemm.grad_hidden(
+            g, b.w_out, pre, act, gated, b.p, rng, need_pre, need_w_out, need_b
         )
+    elif need_pre or need_b:
+        grad_a = torch.mm(g, b.w_out)  # (M, F)
+        grad_pre, a, grad_b = gate.backward(grad_a, pre, b.activation, b.p, rng, need_pre, need_w_out, need_b)
     elif need_w_out:
         a = gate.forward(pre, b.activation, b.p, rng)
     grad_w_out = torch.mm(g.t(), a) if need_w_out else None  # (H_out, F)

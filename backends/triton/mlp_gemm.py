@@ -1,0 +1,414 @@
+"""fused_mlp's hidden-layer work in the epilogues of its products (``fused_mlp.py``'s "epilogues"
+variant): the pointwise passes between the two GEMMs disappear into them.
+
+    up     C = A @ W^T (+ b), W (N, K); for a gate a second accumulator C_up = A @ W_up^T (+ b_up)
+           over the same A tiles (one read of x for both halves). Epilogue: pre = round(C + b) stored
+           when asked ((M, N), or (M, 2N) [gate | up]), a = drop(act(pre)), or drop(act(gate) * up),
+           stored (M, N). With identity and no pre it is the down projection's bias + output dropout.
+    grad   grad_a = G @ W_out, W_out (K, N) = (H_out, F). Epilogue: reads pre, regenerates the hidden
+           mask, writes grad_pre = drop'(grad_a) * act'(pre) (both halves for a gate), a as ``up`` made
+           it (for grad_W_out) and float32 column sums of grad_pre over the tile's rows, one row of
+           partials per row tile, added in a fixed order by bias_act_dropout's reduction.
+
+Against cuBLAS plus one pass each way, at (M, F) = 8192 x 3072 bf16 this skips reading pre in the
+forward (50 MB) and writing then reading grad_a in the backward (100 MB): ~37 us of traffic at 4 TB/s,
+if the Triton products keep cuBLAS's pace (benchmarks/PERF.md).
+
+pre is rounded to its dtype before the activation, as the product's output would be, so a here, the
+pass's a and the backward's recomputed a are one value. Masks are the RNG spec's over the (M, N)
+view, computed in bias_act_dropout's (BLOCK_M, BLOCK_N // 8, 8) layout (one Philox call per 8
+elements) and reshaped onto the tile. Main loops: matmul.py's two variants ("tma": persistent, host
+TensorDescriptors; "pointer": strided loads, any dtype and layout), here both persistent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dispatch.backends.triton import bias_act_dropout, matmul
+from dispatch.backends.triton.activations import apply, grad
+from dispatch.backends.triton.launch import Launcher
+from dispatch.backends.triton.matmul import _tile_coords
+from dispatch.backends.triton.philox import keep_mask, seed_offset
+from dispatch.contracts.rng import Rng
+
+
+@triton.jit
+def _acc(
+    A, B, B_UP, off_m, off_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
+    A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr, GATED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    INDEX_64: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """The float32 tile A[off_m:, :] @ B[:, off_n:] and, with GATED, A @ B_UP (else acc again). A and
+    B are TMA descriptors (matmul.py's layouts) with USE_TMA, else pointers with strides."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        for ki in range(tl.cdiv(K, BLOCK_K)):
+            off_k = ki * BLOCK_K  # TMA zero-fills past the edges: no masks
+            if A_KMAJOR:
+                a = A.load([off_m, off_k])
+            else:
+                a = A.load([off_k, off_m]).T
+            if B_KMAJOR:
+                b = B.load([off_n, off_k]).T
+            else:
+                b = B.load([off_k, off_n])
+            if DOT_FP32:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if GATED:
+                if B_KMAJOR:
+                    b_up = B_UP.load([off_n, off_k]).T
+                else:
+                    b_up = B_UP.load([off_k, off_n])
+                if DOT_FP32:
+                    b_up = b_up.to(tl.float32)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
+    else:
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        if INDEX_64:
+            offs_m = offs_m.to(tl.int64)
+            offs_n = offs_n.to(tl.int64)
+            offs_k = offs_k.to(tl.int64)
+        in_m = (offs_m < M)[:, None]
+        in_n = (offs_n < N)[None, :]
+        a_ptrs = A + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_offsets = offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        for ki in range(tl.cdiv(K, BLOCK_K)):
+            k_left = K - ki * BLOCK_K
+            in_k = offs_k < k_left
+            a = tl.load(a_ptrs, mask=in_m & in_k[None, :], other=0.0)
+            b = tl.load(B + b_offsets, mask=in_k[:, None] & in_n, other=0.0)
+            if DOT_FP32:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if GATED:
+                b_up = tl.load(B_UP + b_offsets, mask=in_k[:, None] & in_n, other=0.0)
+                if DOT_FP32:
+                    b_up = b_up.to(tl.float32)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_offsets += BLOCK_K * stride_bk
+    if not GATED:
+        acc_up = acc
+    return acc, acc_up
+
+
+@triton.jit
+def _drop_scale(seed, offset, rows, off_n, N, threshold, scale,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPED: tl.constexpr):  # fmt: skip
+    """(BLOCK_M, BLOCK_N) keep * scale of the spec's mask over the (M, N) view: scale or 0."""
+    groups = off_n // 8 + tl.arange(0, BLOCK_N // 8)
+    keep = keep_mask(seed, offset, rows, groups, tl.arange(0, 8), N, threshold, GROUPED)
+    return tl.reshape(tl.where(keep, scale, 0.0), (BLOCK_M, BLOCK_N))
+
+
+@triton.jit(do_not_specialize=["M", "threshold", "seed_lo", "seed_hi", "offset_lo", "offset_hi"])
+def _up_kernel(
+    A,  # (M, K) x: descriptor with USE_TMA, else pointer
+    B,  # (K, N) W^T (the gate's for GATED), likewise
+    B_UP,  # (K, N) W_up^T with GATED (else B again)
+    PRE,  # (M, N), or (M, 2N) [gate | up] with GATED, unit column stride: written with STORE_PRE
+    OUT,  # (M, N) a, unit column stride
+    BIAS,  # (N,) b, read with HAS_BIAS
+    BIAS_UP,  # (N,) b_up, read with GATED and HAS_BIAS
+    RNG,  # int64 [seed, offset] with RNG_ON_DEVICE; unused without DROPOUT
+    seed_lo, seed_hi, offset_lo, offset_hi,  # int32 words of a host (seed, offset)
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn,  # pointer strides (unused with USE_TMA)
+    stride_pm,  # PRE's row stride
+    stride_om,  # OUT's row stride
+    threshold,  # 16-bit drop threshold T
+    scale,  # float32 65536 / (65536 - T)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, USE_TMA: tl.constexpr, A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
+    ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr,
+    DROPOUT: tl.constexpr, RNG_ON_DEVICE: tl.constexpr, GROUPED: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if DROPOUT:
+        seed, offset = seed_offset(RNG, seed_lo, seed_hi, offset_lo, offset_hi, RNG_ON_DEVICE)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc, acc_up = _acc(
+            A, B, B_UP, off_m, off_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M,
+            BLOCK_N, BLOCK_K, USE_TMA, A_KMAJOR, B_KMAJOR, GATED, INPUT_PRECISION, INDEX_64, DOT_FP32,
+        )  # fmt: skip
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        rows64 = rows.to(tl.int64)
+        in_n = cols < N
+        mask = (rows < M)[:, None] & in_n[None, :]
+        if HAS_BIAS:
+            acc += tl.load(BIAS + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
+        z = acc.to(OUT.dtype.element_ty)  # pre, rounded once as the product's output
+        pre_ptrs = PRE + (rows64 * stride_pm)[:, None] + cols[None, :]
+        if STORE_PRE:
+            tl.store(pre_ptrs, z, mask=mask)
+        if GATED:
+            if HAS_BIAS:
+                acc_up += tl.load(BIAS_UP + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
+            up = acc_up.to(OUT.dtype.element_ty)
+            if STORE_PRE:
+                tl.store(pre_ptrs + N, up, mask=mask)
+            a = apply(z.to(tl.float32), ACTIVATION) * up.to(tl.float32)
+        else:
+            a = apply(z.to(tl.float32), ACTIVATION)
+        if DROPOUT:  # a * keep * scale as F.dropout: a dropped NaN or inf gives NaN
+            a = a * _drop_scale(seed, offset, rows, off_n, N, threshold, scale, BLOCK_M, BLOCK_N, GROUPED)
+        out_ptrs = OUT + (rows64 * stride_om)[:, None] + cols[None, :]
+        tl.store(out_ptrs, a.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "threshold", "seed_lo", "seed_hi", "offset_lo", "offset_hi"])
+def _grad_kernel(
+    A,  # (M, K) G = grad of the down projection's output: descriptor with USE_TMA, else pointer
+    B,  # (K, N) W_out, likewise
+    PRE,  # (M, N), or (M, 2N) [gate | up] with GATED; row stride stride_pm, unit column stride
+    GP,  # grad_pre, PRE's shape, contiguous: written with NEED_PRE
+    A_OUT,  # (M, N) a as ``_up_kernel`` made it, contiguous: written with NEED_A
+    PARTIALS,  # (row tiles, P) float32 column sums of grad_pre: written with NEED_BIAS
+    RNG,
+    seed_lo, seed_hi, offset_lo, offset_hi,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    stride_pm,
+    threshold,
+    scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, USE_TMA: tl.constexpr, A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
+    ACTIVATION: tl.constexpr, GATED: tl.constexpr, NEED_PRE: tl.constexpr, NEED_A: tl.constexpr,
+    NEED_BIAS: tl.constexpr, DROPOUT: tl.constexpr, RNG_ON_DEVICE: tl.constexpr, GROUPED: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if GATED:
+        P = 2 * N
+    else:
+        P = N
+    if DROPOUT:
+        seed, offset = seed_offset(RNG, seed_lo, seed_hi, offset_lo, offset_hi, RNG_ON_DEVICE)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        g, _unused = _acc(
+            A, B, B, off_m, off_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M,
+            BLOCK_N, BLOCK_K, USE_TMA, A_KMAJOR, B_KMAJOR, False, INPUT_PRECISION, INDEX_64, DOT_FP32,
+        )  # fmt: skip
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        rows64 = rows.to(tl.int64)
+        in_n = cols < N
+        mask = (rows < M)[:, None] & in_n[None, :]
+        pre_ptrs = PRE + (rows64 * stride_pm)[:, None] + cols[None, :]
+        z = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if DROPOUT:  # F.dropout's backward: grad * keep * scale
+            drop = _drop_scale(seed, offset, rows, off_n, N, threshold, scale, BLOCK_M, BLOCK_N, GROUPED)
+            g = g * drop
+        if GATED:
+            up = tl.load(pre_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+            act = apply(z, ACTIVATION)
+            gz = grad(g * up, z, ACTIVATION)
+            gu = g * act
+        else:
+            gz = grad(g, z, ACTIVATION)
+        if NEED_A:  # the forward's product, in its order: act(gate) * up * (keep * scale)
+            if GATED:
+                a = act * up
+            else:
+                a = apply(z, ACTIVATION)
+            if DROPOUT:
+                a = a * drop
+            a_ptrs = A_OUT + (rows64 * N)[:, None] + cols[None, :]
+            tl.store(a_ptrs, a.to(A_OUT.dtype.element_ty), mask=mask)
+        if NEED_PRE:
+            gp_ptrs = GP + (rows64 * P)[:, None] + cols[None, :]
+            tl.store(gp_ptrs, gz.to(GP.dtype.element_ty), mask=mask)
+            if GATED:
+                tl.store(gp_ptrs + N, gu.to(GP.dtype.element_ty), mask=mask)
+        if NEED_BIAS:  # selected, not trusted to be 0: squared_relu'(3e38) * 0 = inf * 0 = NaN
+            sums_ptrs = PARTIALS + pid_m.to(tl.int64) * P + cols
+            tl.store(sums_ptrs, tl.sum(tl.where(mask, gz, 0.0), axis=0), mask=in_n)
+            if GATED:
+                tl.store(sums_ptrs + N, tl.sum(tl.where(mask, gu, 0.0), axis=0), mask=in_n)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+# One kernel, two launchers each: A, B, B_UP as TMA descriptors or as tensors.
+_UP_TMA = Launcher(_up_kernel, descriptors=3, tensors=5)
+_UP_POINTER = Launcher(_up_kernel, tensors=8)
+_GRAD_TMA = Launcher(_grad_kernel, descriptors=2, tensors=5)
+_GRAD_POINTER = Launcher(_grad_kernel, tensors=7)
+# Epilogues heavier than an activation's keep at most 128 columns a tile: a gate's two accumulators,
+# or grad's loads of pre, on 128 x 256 would need ~2x the 255 registers a thread has (not yet measured).
+EPILOGUE_BLOCK_N = 128
+
+
+def _config(m: int, n: int, k: int, a: Tensor, heavy: bool) -> matmul.Config:
+    """matmul.py's tile rule, capped at EPILOGUE_BLOCK_N columns for heavy epilogues on the GPU."""
+    if a.device.type != "cuda":
+        return matmul.pick_config(m, n, k, a.dtype, a.device)
+    table = matmul.CONFIGS_32 if a.dtype == torch.float32 else matmul.CONFIGS_16
+    if heavy:
+        table = tuple(c for c in table if c.block_n <= EPILOGUE_BLOCK_N) or tuple(
+            dataclasses.replace(c, block_n=EPILOGUE_BLOCK_N) for c in table[:1]
+        )
+    return matmul.best_config(m, n, table, matmul._sm_count(a.device))
+
+
+def _operands(a: Tensor, bs: tuple[Tensor, ...], cfg: matmul.Config) -> tuple[tuple, dict, bool]:
+    """(A, B[, B_UP]) as descriptors or tensors, their constexprs, and whether TMA runs. ``bs`` are
+    (K, N) views sharing one layout; TMA only when every operand allows it (matmul.plan's rule)."""
+    _, variant, (a_kmajor, b_kmajor) = matmul.plan(a, bs[0])
+    tma = variant == "tma" and all(matmul._tma_layout(b, 0) == b_kmajor for b in bs[1:])
+    if not tma:
+        return (a, *bs), dict(USE_TMA=False, A_KMAJOR=False, B_KMAJOR=False), False
+    descs = (
+        matmul._descriptor(a, a_kmajor, 1, cfg.block_m, cfg.block_k),
+        *(matmul._descriptor(b, b_kmajor, 0, cfg.block_n, cfg.block_k) for b in bs),
+    )
+    return descs, dict(USE_TMA=True, A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor), True
+
+
+def _shared(a: Tensor, bs: tuple[Tensor, ...], outs: tuple[Tensor, ...], cfg: matmul.Config, m: int,
+            n: int) -> tuple[dict, int]:  # fmt: skip
+    """Both kernels' common constexprs, and the persistent grid's size."""
+    extents = [matmul._extent(t.shape, t.stride()) for t in (a, *bs, *outs)]
+    programs = matmul._sm_count(a.device) * cfg.ctas_per_sm
+    tiles = matmul._cdiv(m, cfg.block_m) * matmul._cdiv(n, cfg.block_n)
+    constexprs = dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs,
+        GROUPED=n % 8 == 0,
+        INPUT_PRECISION=matmul._input_precision(a.dtype, a.device),
+        INDEX_64=max(extents) >= 2**31,
+        DOT_FP32=a.dtype == torch.bfloat16 and a.device.type != "cuda",
+    )
+    return constexprs, min(programs, tiles)
+
+
+def up(
+    x: Tensor,
+    w: Tensor,
+    w_up: Optional[Tensor],
+    b: Optional[Tensor],
+    b_up: Optional[Tensor],
+    activation: str,
+    p: float,
+    rng: Optional[Rng],
+    out: Tensor,
+    pre: Optional[Tensor] = None,
+) -> None:
+    """out <- drop_p(act(x @ w^T + b)), or drop_p(act(x @ w^T + b) * (x @ w_up^T + b_up)) with w_up
+    (``activation`` is then the gate's); pre <- the rounded products ((M, N), or (M, 2N) [gate | up])
+    when given. x (M, K) any strides, w / w_up (N, K) of one layout, out (M, N) and pre unit column
+    stride; M, N > 0."""
+    (m, k), n = x.shape, w.shape[0]
+    gated = w_up is not None
+    bs = (w.t(), (w if w_up is None else w_up).t())  # B_UP is B again without a gate
+    cfg = _config(m, n, k, x, heavy=gated)
+    operands, layout, tma = _operands(x, bs, cfg)
+    constexprs, grid = _shared(x, bs, (out,) if pre is None else (out, pre), cfg, m, n)
+    (rng_t, s0, s1, o0, o1, threshold, scale), on_device = bias_act_dropout._dropout_args(x, p, rng)
+    b_t = bs[0]
+    args = (
+        *operands, out if pre is None else pre, out,
+        out if b is None else b, out if b_up is None else b_up, rng_t, s0, s1, o0, o1, m, n, k,
+        x.stride(0), x.stride(1), b_t.stride(0), b_t.stride(1),
+        out.stride(0) if pre is None else pre.stride(0), out.stride(0), threshold, scale,
+    )  # fmt: skip
+    (_UP_TMA if tma else _UP_POINTER)(
+        (grid,),
+        args,
+        dict(
+            constexprs,
+            **layout,
+            ACTIVATION=activation,
+            GATED=gated,
+            HAS_BIAS=b is not None,
+            STORE_PRE=pre is not None,
+            DROPOUT=rng is not None,
+            RNG_ON_DEVICE=on_device,
+        ),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def grad_hidden(
+    g: Tensor,
+    w_out: Tensor,
+    pre: Tensor,
+    activation: str,
+    gated: bool,
+    p: float,
+    rng: Optional[Rng],
+    need_pre: bool,
+    need_a: bool,
+    need_bias: bool,
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(grad_pre, a, grad_bias) from one product g @ w_out (g (M, H_out), w_out (H_out, F)) and its
+    epilogue: gate.backward's three results (``activation`` the gate's with ``gated``), each only if
+    asked. pre (M, F) or (M, 2F) with unit column stride; M, F > 0."""
+    (m, k), n = g.shape, w_out.shape[1]
+    width = pre.shape[1]
+    grad_pre = pre.new_empty((m, width)) if need_pre else None
+    a = pre.new_empty((m, n)) if need_a else None
+    cfg = _config(m, n, k, g, heavy=True)
+    operands, layout, tma = _operands(g, (w_out,), cfg)
+    partials = None
+    if need_bias:
+        partials = torch.empty((matmul._cdiv(m, cfg.block_m), width), dtype=torch.float32, device=g.device)
+    outs = tuple(t for t in (pre, grad_pre, a) if t is not None)
+    constexprs, grid = _shared(g, (w_out,), outs, cfg, m, n)
+    (rng_t, s0, s1, o0, o1, threshold, scale), on_device = bias_act_dropout._dropout_args(pre, p, rng)
+    args = (
+        *operands, pre, pre if grad_pre is None else grad_pre, pre if a is None else a,
+        pre if partials is None else partials, rng_t, s0, s1, o0, o1, m, n, k,
+        g.stride(0), g.stride(1), w_out.stride(0), w_out.stride(1), pre.stride(0), threshold, scale,
+    )  # fmt: skip
+    (_GRAD_TMA if tma else _GRAD_POINTER)(
+        (grid,),
+        args,
+        dict(
+            constexprs,
+            **layout,
+            ACTIVATION=activation,
+            GATED=gated,
+            NEED_PRE=need_pre,
+            NEED_A=need_a,
+            NEED_BIAS=need_bias,
+            DROPOUT=rng is not None,
+            RNG_ON_DEVICE=on_device,
+        ),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    grad_bias = None
+    if partials is not None:
+        grad_bias = pre.new_empty((width,))
+        bias_act_dropout._BIAS_GRAD(
+            (matmul._cdiv(width, 32),), (partials, grad_bias, partials.shape[0], width),
+            dict(BLOCK_R=64, BLOCK_N=32), num_warps=4,
+        )  # fmt: skip
+    return grad_pre, a, grad_bias
