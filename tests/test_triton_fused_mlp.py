@@ -19,7 +19,7 @@ import torch
 
 from dispatch import fused_mlp
 from dispatch.backends.triton import fused_mlp as triton_fused_mlp
-from dispatch.backends.triton import gate, mlp_gemm
+from dispatch.backends.triton import gate, matmul, mlp_gemm
 from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import GATED_NAMES, GATES
 from dispatch.contracts.tolerances import check
@@ -251,6 +251,15 @@ def test_epilogue_variant_runs_its_kernels(device, variant, monkeypatch):
     transposed = (x, w_in, w_up.t().contiguous().t(), b_in, b_up, w_out, b_out)
     assert_matches(transposed, "geglu", 0.3, 0.2)
     assert "grad_hidden" not in calls
+
+
+def test_epilogue_kernels_take_a_forced_config(device, variant):
+    """matmul.options' config reaches the epilogue kernels too, warp-specialized tile loop included
+    (the benchmarks' switch): the same results as the rule's tiles."""
+    forced = matmul.Config(16, 16, 16, num_warps=1, num_stages=1, group_m=1, warp_specialize=True)
+    tensors = _inputs("swiglu", False, True, F32, (21, 9, 24, 9), device)
+    with matmul.options(config=forced):
+        assert_matches(tensors, "swiglu", 0.3, 0.2)
 
 
 # ----------------------------------------------------------------------------- inference

@@ -135,12 +135,16 @@ def _up_kernel(
     ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr,
     DROPOUT: tl.constexpr, RNG_ON_DEVICE: tl.constexpr, GROUPED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, DOT_FP32: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,  # tl.range's warp specialization of the tile loop (Config)
 ):  # fmt: skip
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if DROPOUT:
         seed, offset = seed_offset(RNG, seed_lo, seed_hi, offset_lo, offset_hi, RNG_ON_DEVICE)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    tile_c = tl.program_id(0) - NUM_PROGRAMS  # the epilogue's own counter, as matmul.py's
+    for tile_id in tl.range(
+        tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE
+    ):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -148,6 +152,10 @@ def _up_kernel(
             A, B, B_UP, off_m, off_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M,
             BLOCK_N, BLOCK_K, USE_TMA, A_KMAJOR, B_KMAJOR, GATED, INPUT_PRECISION, INDEX_64, DOT_FP32,
         )  # fmt: skip
+        tile_c += NUM_PROGRAMS
+        pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
         rows64 = rows.to(tl.int64)
@@ -194,6 +202,7 @@ def _grad_kernel(
     ACTIVATION: tl.constexpr, GATED: tl.constexpr, NEED_PRE: tl.constexpr, NEED_A: tl.constexpr,
     NEED_BIAS: tl.constexpr, DROPOUT: tl.constexpr, RNG_ON_DEVICE: tl.constexpr, GROUPED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, DOT_FP32: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,  # tl.range's warp specialization of the tile loop (Config)
 ):  # fmt: skip
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -203,7 +212,10 @@ def _grad_kernel(
         P = N
     if DROPOUT:
         seed, offset = seed_offset(RNG, seed_lo, seed_hi, offset_lo, offset_hi, RNG_ON_DEVICE)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    tile_c = tl.program_id(0) - NUM_PROGRAMS  # the epilogue's own counter, as matmul.py's
+    for tile_id in tl.range(
+        tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE
+    ):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -211,6 +223,10 @@ def _grad_kernel(
             A, B, B, off_m, off_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M,
             BLOCK_N, BLOCK_K, USE_TMA, A_KMAJOR, B_KMAJOR, False, INPUT_PRECISION, INDEX_64, DOT_FP32,
         )  # fmt: skip
+        tile_c += NUM_PROGRAMS
+        pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
         rows64 = rows.to(tl.int64)
@@ -263,7 +279,7 @@ EPILOGUE_BLOCK_N = 128
 
 def _config(m: int, n: int, k: int, a: Tensor, heavy: bool) -> matmul.Config:
     """matmul.py's tile rule, capped at EPILOGUE_BLOCK_N columns for heavy epilogues on the GPU."""
-    if a.device.type != "cuda":
+    if a.device.type != "cuda" or matmul._override.config is not None:  # interpreter, or forced
         return matmul.pick_config(m, n, k, a.dtype, a.device)
     table = matmul.CONFIGS_32 if a.dtype == torch.float32 else matmul.CONFIGS_16
     if heavy:
@@ -303,6 +319,7 @@ def _shared(a: Tensor, bs: tuple[Tensor, ...], outs: tuple[Tensor, ...], cfg: ma
         INPUT_PRECISION=matmul._input_precision(a.dtype, a.device),
         INDEX_64=max(extents) >= 2**31,
         DOT_FP32=a.dtype == torch.bfloat16 and a.device.type != "cuda",
+        WARP_SPECIALIZE=cfg.warp_specialize,
     )
     return constexprs, min(programs, tiles)
 
