@@ -78,6 +78,32 @@ def _gate_forward_kernel(
     tl.store(A + (rows64 * F)[:, None, None] + cols[None, :, :], a.to(A.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def hidden_grads(g, z, up, drop, ACTIVATION: tl.constexpr, GATED: tl.constexpr, DROPOUT: tl.constexpr,
+                 NEED_A: tl.constexpr):  # fmt: skip
+    """The hidden layer's backward at one tile, float32: (grad of pre, or of the gate half with GATED;
+    grad of the up half with GATED; a as the forward made it with NEED_A). g is grad_a, z pre or the
+    gate half, drop keep * scale (with DROPOUT); unused outputs are placeholders."""
+    if DROPOUT:  # F.dropout's backward: grad * keep * scale
+        g = g * drop
+    if GATED:
+        act = apply(z, ACTIVATION)
+        gz = grad(g * up, z, ACTIVATION)
+        gu = g * act
+    else:
+        gz = grad(g, z, ACTIVATION)
+        gu = gz
+    a = gz
+    if NEED_A:  # the forward's product, in its order: act(gate) * up * (keep * scale)
+        if GATED:
+            a = act * up
+        else:
+            a = apply(z, ACTIVATION)
+        if DROPOUT:
+            a = a * drop
+    return gz, gu, a
+
+
 @triton.jit(
     do_not_specialize=["M", "rows_per_program", "threshold", "seed_lo", "seed_hi", "offset_lo", "offset_hi"]
 )
@@ -129,24 +155,15 @@ def _gate_backward_kernel(
         g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)  # (BM, BN8, 8)
         pre_ptrs = PRE + (rows64 * stride_pm)[:, None, None] + cols[None, :, :]
         z = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
-        if DROPOUT:  # F.dropout's backward: grad * keep * scale
+        drop = g  # keep * scale with DROPOUT (unused otherwise)
+        if DROPOUT:
             drop = tl.where(keep_mask(seed, offset, rows, groups, lanes, F, threshold, GROUPED), scale, 0.0)
-            g = g * drop
+        up = z  # the up half with GATED (unused otherwise)
         if GATED:
             up = tl.load(pre_ptrs + F, mask=mask, other=0.0).to(tl.float32)
-            act = apply(z, ACTIVATION)
-            gz = grad(g * up, z, ACTIVATION)
-            gu = g * act
-        else:
-            gz = grad(g, z, ACTIVATION)
+        gz, gu, a = hidden_grads(g, z, up, drop, ACTIVATION, GATED, DROPOUT, NEED_A)
         out_offsets = (rows64 * F)[:, None, None] + cols[None, :, :]
-        if NEED_A:  # the forward's product, in its order: act(gate) * up * (keep * scale)
-            if GATED:
-                a = act * up
-            else:
-                a = apply(z, ACTIVATION)
-            if DROPOUT:
-                a = a * drop
+        if NEED_A:
             tl.store(A + out_offsets, a.to(A.dtype.element_ty), mask=mask)
         if NEED_PRE:
             gp_ptrs = GP + (rows64 * P)[:, None, None] + cols[None, :, :]
@@ -241,9 +258,23 @@ def backward(
     _BACKWARD(
         (row_programs, col_programs),
         (
-            grad_a, pre, pre if grad_pre is None else grad_pre, pre if a is None else a,
+            grad_a,
+            pre,
+            pre if grad_pre is None else grad_pre,
+            pre if a is None else a,
             pre if grad_bias is None else (grad_bias if partials is None else partials),
-            rng_t, s0, s1, o0, o1, m, f, rows, grad_a.stride(0), pre.stride(0), threshold, scale,
+            rng_t,
+            s0,
+            s1,
+            o0,
+            o1,
+            m,
+            f,
+            rows,
+            grad_a.stride(0),
+            pre.stride(0),
+            threshold,
+            scale,
         ),  # fmt: skip
         dict(
             ACTIVATION=GATES.get(activation, activation),

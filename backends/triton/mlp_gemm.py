@@ -32,7 +32,8 @@ import triton.language as tl
 from torch import Tensor
 
 from dispatch.backends.triton import bias_act_dropout, matmul
-from dispatch.backends.triton.activations import apply, grad
+from dispatch.backends.triton.activations import apply
+from dispatch.backends.triton.gate import hidden_grads
 from dispatch.backends.triton.launch import Launcher
 from dispatch.backends.triton.matmul import _tile_coords
 from dispatch.backends.triton.philox import keep_mask, seed_offset
@@ -41,13 +42,15 @@ from dispatch.contracts.rng import Rng
 
 @triton.jit
 def _acc(
-    A, B, B_UP, off_m, off_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    A, B, B_UP, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
     A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr, GATED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """The float32 tile A[off_m:, :] @ B[:, off_n:] and, with GATED, A @ B_UP (else acc again). A and
-    B are TMA descriptors (matmul.py's layouts) with USE_TMA, else pointers with strides."""
+    """Tile (pid_m, pid_n) of A @ B in float32 and, with GATED, of A @ B_UP (else the first again). A
+    and B are TMA descriptors (matmul.py's layouts) with USE_TMA, else pointers with strides."""
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
@@ -105,6 +108,19 @@ def _acc(
 
 
 @triton.jit
+def _epilogue_tile(tile_c, num_pid_m, num_pid_n, M, N, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):  # fmt: skip
+    """Epilogue tile ``tile_c``'s (pid_m, first column, rows, rows as int64, columns, columns inside,
+    elements inside)."""
+    pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
+    off_n = pid_n * BLOCK_N
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    in_n = cols < N
+    return pid_m, off_n, rows, rows.to(tl.int64), cols, in_n, (rows < M)[:, None] & in_n[None, :]
+
+
+@triton.jit
 def _drop_scale(seed, offset, rows, off_n, N, threshold, scale,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPED: tl.constexpr):  # fmt: skip
     """(BLOCK_M, BLOCK_N) keep * scale of the spec's mask over the (M, N) view: scale or 0."""
@@ -146,21 +162,14 @@ def _up_kernel(
         tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE
     ):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
         acc, acc_up = _acc(
-            A, B, B_UP, off_m, off_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M,
+            A, B, B_UP, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M,
             BLOCK_N, BLOCK_K, USE_TMA, A_KMAJOR, B_KMAJOR, GATED, INPUT_PRECISION, INDEX_64, DOT_FP32,
         )  # fmt: skip
         tile_c += NUM_PROGRAMS
-        pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        rows = off_m + tl.arange(0, BLOCK_M)
-        cols = off_n + tl.arange(0, BLOCK_N)
-        rows64 = rows.to(tl.int64)
-        in_n = cols < N
-        mask = (rows < M)[:, None] & in_n[None, :]
+        pid_m, off_n, rows, rows64, cols, in_n, mask = _epilogue_tile(
+            tile_c, num_pid_m, num_pid_n, M, N, GROUP_M, BLOCK_M, BLOCK_N
+        )
         if HAS_BIAS:
             acc += tl.load(BIAS + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
         z = acc.to(OUT.dtype.element_ty)  # pre, rounded once as the product's output
@@ -217,40 +226,24 @@ def _grad_kernel(
         tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE
     ):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
         g, _unused = _acc(
-            A, B, B, off_m, off_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M,
+            A, B, B, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M,
             BLOCK_N, BLOCK_K, USE_TMA, A_KMAJOR, B_KMAJOR, False, INPUT_PRECISION, INDEX_64, DOT_FP32,
         )  # fmt: skip
         tile_c += NUM_PROGRAMS
-        pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        rows = off_m + tl.arange(0, BLOCK_M)
-        cols = off_n + tl.arange(0, BLOCK_N)
-        rows64 = rows.to(tl.int64)
-        in_n = cols < N
-        mask = (rows < M)[:, None] & in_n[None, :]
+        pid_m, off_n, rows, rows64, cols, in_n, mask = _epilogue_tile(
+            tile_c, num_pid_m, num_pid_n, M, N, GROUP_M, BLOCK_M, BLOCK_N
+        )
         pre_ptrs = PRE + (rows64 * stride_pm)[:, None] + cols[None, :]
         z = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
-        if DROPOUT:  # F.dropout's backward: grad * keep * scale
+        drop = g  # keep * scale with DROPOUT (unused otherwise)
+        if DROPOUT:
             drop = _drop_scale(seed, offset, rows, off_n, N, threshold, scale, BLOCK_M, BLOCK_N, GROUPED)
-            g = g * drop
+        up = z  # the up half with GATED (unused otherwise)
         if GATED:
             up = tl.load(pre_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-            act = apply(z, ACTIVATION)
-            gz = grad(g * up, z, ACTIVATION)
-            gu = g * act
-        else:
-            gz = grad(g, z, ACTIVATION)
-        if NEED_A:  # the forward's product, in its order: act(gate) * up * (keep * scale)
-            if GATED:
-                a = act * up
-            else:
-                a = apply(z, ACTIVATION)
-            if DROPOUT:
-                a = a * drop
+        gz, gu, a = hidden_grads(g, z, up, drop, ACTIVATION, GATED, DROPOUT, NEED_A)
+        if NEED_A:
             a_ptrs = A_OUT + (rows64 * N)[:, None] + cols[None, :]
             tl.store(a_ptrs, a.to(A_OUT.dtype.element_ty), mask=mask)
         if NEED_PRE:
