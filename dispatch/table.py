@@ -24,6 +24,7 @@ from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.contracts.backend import Call
 from dispatch.contracts.shapes import TOKENS
 from dispatch.heuristics.ranking import BASELINE, costs, preference, rank
+from dispatch.heuristics.schema import DeviceInfo, EntryRecord, SegmentRecord
 
 LEGEND = (
     "cell: backend and its speedup over {base} measured at that M (~: at the nearest measured M where "
@@ -34,12 +35,12 @@ HOST_LEGEND = "; h: host-bound there (the host's cost of a call exceeds its GPU 
 SLIM_LEGEND = "; >=: the smallest speedup measured in that segment (this table keeps no raw points)"
 
 
-def _segment_at(entry: dict, m: int) -> dict:
+def _segment_at(entry: EntryRecord, m: int) -> SegmentRecord:
     segments = entry["segments"]
     return segments[max(bisect.bisect_right([s["m_from"] for s in segments], m) - 1, 0)]
 
 
-def _speedup(entry: dict, m: int, backend: str, version: int) -> str:
+def _speedup(entry: EntryRecord, m: int, backend: str, version: int) -> str:
     """' 1.85x' (schema 2: over plain PyTorch, 'h' where host-bound; schema 1: over eager)."""
     if "points" not in entry:
         seg = _segment_at(entry, m)
@@ -62,7 +63,7 @@ def _speedup(entry: dict, m: int, backend: str, version: int) -> str:
     return f" {near_mark}{base_cost / costs(near)[backend]:.2f}x{host}"
 
 
-def _grid(table: heuristics.Table, entries: list[dict]) -> tuple[list[str], list[list[str]]]:
+def _grid(table: heuristics.Table, entries: list[EntryRecord]) -> tuple[list[str], list[list[str]]]:
     entries = sorted(entries, key=lambda e: e["features"])
     max_m = max(heuristics.max_measured_m(e) for e in entries)
     rows = []
@@ -94,7 +95,7 @@ def render(
     mode: Optional[str] = None,
 ) -> str:
     """Every choice table of ``table`` matching the filters, then the legend with its provenance."""
-    families: dict[tuple, dict[str, list[dict]]] = {}
+    families: dict[tuple, dict[str, list[EntryRecord]]] = {}
     for e in table.data["entries"]:
         if (
             (op or e["op"]) == e["op"]
@@ -158,7 +159,7 @@ def _history(settings: dict) -> str:
     return text
 
 
-def _device(d: dict, one_clock: bool) -> str:
+def _device(d: DeviceInfo, one_clock: bool) -> str:
     """The device line: a GPU's properties; a CPU's model and the thread count it was timed with."""
     if d.get("type") == "cuda":
         cap = ".".join(map(str, d.get("capability") or [])) or "-"

@@ -17,7 +17,10 @@ the provenance and the self-check's summary, with ``raw_points`` naming the file
 
 The modules, by what they serve:
     device    this machine: device_info, slugs, running versions, the user directory
-    schema    the document checked whole; EntryKey, EntryId, Segment, Entry
+    schema    the calibration's data typed once: the records a document holds (Point, SegmentRecord,
+              EntryRecord, SelfCheck, DeviceInfo, Document) and what a loaded table keeps (EntryKey,
+              EntryId, Segment, Entry)
+    validate  the document checked whole when it loads (SchemaError names the field at fault)
     table     one table: load_table, Table.choose, Choice
     save      save_table, dumps, slim
     catalog   which table serves a device (nearest GPU, nearest CPU thread count), lookup, describe
@@ -51,18 +54,26 @@ from dispatch.heuristics.schema import (
     MODES,
     SCHEMA_VERSION,
     SCHEMA_VERSIONS,
+    Clocks,
+    DeviceInfo,
+    Document,
     Entry,
     EntryId,
     EntryKey,
-    SchemaError,
+    EntryRecord,
+    Point,
     Segment,
+    SegmentRecord,
+    SelfCheck,
     max_measured_m,
 )
 from dispatch.heuristics.table import Choice, HeuristicsWarning, Table, load_table, read_table
+from dispatch.heuristics.validate import SchemaError
 
 __all__ = [
     "CALIBRATE_HINT", "ENV_DIR", "MODES", "SCHEMA_VERSION", "SCHEMA_VERSIONS", "SHIPPED_DIR",
-    "Choice", "Entry", "EntryId", "EntryKey", "HeuristicsWarning", "SchemaError", "Segment", "Table",
+    "Choice", "Clocks", "DeviceInfo", "Document", "Entry", "EntryId", "EntryKey", "EntryRecord",
+    "HeuristicsWarning", "Point", "SchemaError", "Segment", "SegmentRecord", "SelfCheck", "Table",
     "all_tables", "cpu_model", "cpu_slug", "describe", "device_info", "dumps", "load_table", "lookup",
     "max_measured_m", "read_table", "reload", "resolve", "running_versions", "save_table", "skipped_tables",
     "slim", "slugify", "table_for", "user_dir", "user_dir_problem",

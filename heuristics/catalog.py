@@ -22,6 +22,7 @@ import torch
 
 from dispatch.contracts.backend import Call
 from dispatch.heuristics.device import device_info, user_dir, user_dir_problem
+from dispatch.heuristics.schema import DeviceInfo
 from dispatch.heuristics.table import Choice, HeuristicsWarning, Table, read_table, warn_skipped
 
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "tables")
@@ -62,14 +63,14 @@ def skipped_tables() -> tuple[tuple[str, str], ...]:
     return _scan(user_dir(), SHIPPED_DIR).skipped
 
 
-def _gpu_distance(info: dict, table: Table) -> tuple[float, float]:
+def _gpu_distance(info: DeviceInfo, table: Table) -> tuple[float, float]:
     cap, other = info.get("capability") or [0, 0], table.device.get("capability") or [0, 0]
     bw, other_bw = info.get("peak_bandwidth_gbs"), table.device.get("peak_bandwidth_gbs")
     bw_gap = abs(math.log(bw / other_bw)) if bw and other_bw else 0.0
     return (abs(cap[0] - other[0]) * 10 + abs(cap[1] - other[1]), bw_gap)
 
 
-def _threads(device: dict) -> Optional[int]:
+def _threads(device: DeviceInfo) -> Optional[int]:
     """The thread count a CPU was timed with: its ``threads``, else its slug's ``-<n>t``."""
     if device.get("threads"):
         return device["threads"]
@@ -86,7 +87,7 @@ def _model(slug: str) -> str:
     return re.sub(r"-\d+t$", "", slug)
 
 
-def _nearest_gpu(info: dict, tables: tuple[Table, ...]) -> Optional[tuple[Table, str, str]]:
+def _nearest_gpu(info: DeviceInfo, tables: tuple[Table, ...]) -> Optional[tuple[Table, str, str]]:
     """The nearest known GPU's table, which one it is (for the warning) and the note for explain()."""
     known = [t for t in tables if t.device.get("type") == "cuda"]
     if not known:
@@ -97,7 +98,7 @@ def _nearest_gpu(info: dict, tables: tuple[Table, ...]) -> Optional[tuple[Table,
     return table, used, f", nearest known GPU to {info['name']}"
 
 
-def _nearest_threads(info: dict, tables: tuple[Table, ...]) -> Optional[tuple[Table, str, str]]:
+def _nearest_threads(info: DeviceInfo, tables: tuple[Table, ...]) -> Optional[tuple[Table, str, str]]:
     """The table of this CPU model timed with the nearest thread count (in log scale), as _nearest_gpu."""
     here = _threads(info) or 1
     same = [(t, n) for t in tables if t.device.get("type") == "cpu" and _model(t.slug) == _model(info["slug"])
@@ -112,7 +113,7 @@ def _nearest_threads(info: dict, tables: tuple[Table, ...]) -> Optional[tuple[Ta
     return table, used, f", calibrated at {_count(there)}, the nearest to this process's {here}"
 
 
-def resolve(info: dict, tables: tuple[Table, ...]) -> tuple[Optional[Table], str]:
+def resolve(info: DeviceInfo, tables: tuple[Table, ...]) -> tuple[Optional[Table], str]:
     """The table for a device described by ``info`` (see device_info), and the note for explain(); a
     table borrowed from another device comes with one warning naming it."""
     for table in tables:

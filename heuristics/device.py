@@ -7,9 +7,11 @@ import importlib.metadata
 import os
 import platform
 import re
-from typing import Any, Optional
+from typing import Optional
 
 import torch
+
+from dispatch.heuristics.schema import DeviceInfo
 
 ENV_DIR = "DISPATCH_HEURISTICS_DIR"
 
@@ -34,7 +36,7 @@ def cpu_slug(model: str, threads: int) -> str:
     return f"cpu-{slugify(model)}-{threads}t"
 
 
-def device_info(device: torch.device) -> dict[str, Any]:
+def device_info(device: torch.device) -> DeviceInfo:
     """Name, slug and the properties used to match tables: capability, SMs, peak bandwidth (CUDA);
     the thread count (CPU)."""
     if device.type != "cuda":

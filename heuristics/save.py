@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, cast
 
-from dispatch.heuristics.schema import max_measured_m
+from dispatch.heuristics.schema import Document, max_measured_m
 from dispatch.heuristics.table import Table
 
 WIDTH = 110  # what a line of a saved table holds, where its items can be packed
@@ -75,7 +75,7 @@ def save_table(data: dict, path: str) -> str:
 RAW_ENTRY_KEYS = ("points", "held_out")  # an entry's measured points (the fit's and the self-check's)
 
 
-def slim(doc: dict, raw_file: str) -> dict:
+def slim(doc: Document, raw_file: str) -> Document:
     """The calibrator's output ``doc`` as heuristics/tables/ ships it: every entry's segments and
     ``max_m``, the provenance and the self-check's summary, without the raw measured points (each
     entry's points and held-out points, the points at unmeasured sizes, the per-series time log),
@@ -84,7 +84,7 @@ def slim(doc: dict, raw_file: str) -> dict:
     moved = [f"entries[].{k}" for k in RAW_ENTRY_KEYS if any(k in e for e in doc["entries"])]
     moved += ["held_out_sizes"] if "held_out_sizes" in doc else []
     moved += ["settings.series_seconds"] if "series_seconds" in doc.get("settings", {}) else []
-    out: dict = {}
+    out: dict[str, Any] = {}  # the document's keys in its order, raw_points before the entries
     for key, value in doc.items():
         if key == "held_out_sizes":
             continue
@@ -98,4 +98,4 @@ def slim(doc: dict, raw_file: str) -> dict:
                 for e, ks in zip(value, keep, strict=True)
             ]
         out[key] = value
-    return out
+    return cast(Document, out)

@@ -17,7 +17,8 @@ from typing import Optional
 
 from dispatch.contracts.backend import Call
 from dispatch.heuristics.device import running_versions
-from dispatch.heuristics.schema import Entry, EntryKey, SchemaError, Segment, check_document, parse_entries
+from dispatch.heuristics.schema import DeviceInfo, Document, Entry, EntryKey, Segment
+from dispatch.heuristics.validate import SchemaError, check_document, parse_entries
 
 
 class HeuristicsWarning(UserWarning):
@@ -80,10 +81,10 @@ class Table:
     """One parsed table: ``data`` is the JSON document, ``index`` maps each key to its entries.
     Raises SchemaError (naming the field) for a document lookups could not use."""
 
-    def __init__(self, data: dict, path: str) -> None:
+    def __init__(self, data: Document, path: str) -> None:
         self.version = check_document(data)
         self.data, self.path = data, path
-        self.device: dict = data["device"]
+        self.device: DeviceInfo = data["device"]
         self.slug: str = self.device["slug"]
         self.index: dict[EntryKey, dict[tuple[int, ...], Entry]] = parse_entries(data, self.version)
         # timed by one clock: no GPU, and every segment that keeps both clocks reads them alike (a CPU's

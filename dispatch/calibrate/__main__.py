@@ -32,7 +32,7 @@ from dispatch.calibrate import report, warm
 from dispatch.calibrate.plan import BASELINE, MODES, Family, Plan, default_plan, family_order
 from dispatch.calibrate.run import Run, Settings
 from dispatch.calibrate.series import dtype_name
-from dispatch.heuristics import EntryId
+from dispatch.heuristics import DeviceInfo, Document, EntryId, EntryRecord
 from dispatch.registry import backends
 from dispatch.table import runs_of
 
@@ -42,15 +42,22 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add = p.add_argument
     every = list(dict.fromkeys(a for op in ops.all_specs() for a in op.activations))
     add("--ops", nargs="+", choices=ops.names(), default=list(ops.names()))
-    add("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"],
-        help="measured dtypes (GPU: bfloat16, float16 sharing its timings, float32; CPU: float32, bfloat16)")
+    add(
+        "--dtypes",
+        nargs="+",
+        choices=["float32", "bfloat16", "float16"],
+        help="measured dtypes (GPU: bfloat16, float16 sharing its timings, float32; CPU: float32, bfloat16)",
+    )
     add("--activations", nargs="+", choices=every, help="default: each op's own (an op takes only its own)")
     add("--modes", nargs="+", choices=MODES, default=list(MODES))
     add("--backends", nargs="+", help=f"time only these ({BASELINE}, the baseline, always)")
     add("--quick", action="store_true", help="a few feature sizes and token counts, one dtype")
     add("--budget", type=float, help="seconds for the whole run (default 550; quick 90 GPU, 150 CPU)")
-    add("--features", nargs="+", help="feature sizes, the op's dims after M: N for bias_act_dropout, N,K for "
-        "fused_linear")
+    add(
+        "--features",
+        nargs="+",
+        help="feature sizes, the op's dims after M: N for bias_act_dropout, N,K for fused_linear",
+    )
     add("--tokens", nargs="+", type=int, help="the coarse grid of token counts M")
     add("--out", help="default: <user dir>/<device slug>.json, the first place lookup looks")
     add("--slim-out", help="also write the table without its raw points (as heuristics/tables/ ships it)")
@@ -93,7 +100,7 @@ def _flag(settings: Settings) -> str:
     return "--refresh" if settings.refresh else "--resume" if settings.resume else "--out"
 
 
-def _previous(path: str, info: dict, flag: str = "--resume/--refresh") -> Optional[dict]:
+def _previous(path: str, info: DeviceInfo, flag: str = "--resume/--refresh") -> Optional[Document]:
     """The table already at ``path``, whose entries this run keeps where it does not measure them again;
     None where there is none or it is of other versions (replaced, said on stderr). A file this run
     could not extend (not a table, no raw points, another device's, schema 1) is never overwritten:
@@ -122,7 +129,7 @@ def _previous(path: str, info: dict, flag: str = "--resume/--refresh") -> Option
     return table.data
 
 
-def _kept(previous: dict, entries: dict) -> str:
+def _kept(previous: Document, entries: dict[EntryId, EntryRecord]) -> str:
     """How many of the existing table's entries the run kept as they were (not measured again)."""
     before = previous["entries"]
     kept = sum(entries.get(EntryId.of_entry(e)) is e for e in before)
@@ -130,7 +137,9 @@ def _kept(previous: dict, entries: dict) -> str:
     return f"kept {kept} of the {len(before)} entries of the table already there{again}"
 
 
-def _runs(previous: Optional[dict], settings: Settings, plan: Plan, seconds: float, families: list) -> list:
+def _runs(
+    previous: Optional[Document], settings: Settings, plan: Plan, seconds: float, families: list
+) -> list:
     """The table's history: a refresh is one more run, a resumed run one more part of the last one, a
     run over an existing table one more run of its families."""
     done = [] if previous is None else runs_of(previous.get("settings", {}), previous.get("date"))
@@ -147,7 +156,7 @@ def _runs(previous: Optional[dict], settings: Settings, plan: Plan, seconds: flo
     return [{"run": kind, **this, "parts": 1}]
 
 
-def _summary(doc: dict, out: str, seconds: float, kept: str) -> list[str]:
+def _summary(doc: Document, out: str, seconds: float, kept: str) -> list[str]:
     """What the run did, in a few lines: the self-check, where the time went, what was written."""
     st = doc["settings"]
     stopped = st["stopped_by_budget"]

@@ -11,12 +11,12 @@ from typing import Callable, Optional
 from dispatch import cases, timing
 from dispatch.calibrate.plan import BASELINE, compiling, fit, runs
 from dispatch.cases import Case, Gate
-from dispatch.heuristics.schema import Point
+from dispatch.heuristics.schema import EntryRecord, Point, SegmentRecord
 
 UNCHECKED = "not parity-checked: the budget was spent"  # such an entry is measured again by --resume
 
 
-def unchecked(entry: dict) -> bool:
+def unchecked(entry: EntryRecord) -> bool:
     """Whether an entry left a check out for want of time (``--resume`` measures it again)."""
     return any(why == UNCHECKED for p in entry["points"] for why in p.get("rejected", {}).values())
 
@@ -53,7 +53,7 @@ class Gates:
     def checked(
         self, points: list[Point], case_at: Callable[[int], Case], order: tuple[str, ...], cap: int,
         compiled: bool,
-    ) -> list[dict]:  # fmt: skip
+    ) -> list[SegmentRecord]:  # fmt: skip
         """Segments whose every winner, by cost and by GPU time alone (the captured pick; unchecked, refit
         dropped triton at 21 of 751 H200 points, up to 1.25x faster than eager), matched the reference at
         its run's smallest M and its largest M within the check cap ``cap`` (a member too: Triton's

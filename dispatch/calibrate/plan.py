@@ -24,7 +24,7 @@ from dispatch.contracts import shapes
 from dispatch.heuristics.ranking import (  # noqa: F401  (the ranking rule, for the calibrator)
     BASELINE, NOISE, PREFERENCE, PREFERENCE_INFERENCE, bound, costs, estimated, preference, rank, winner,
 )  # fmt: skip
-from dispatch.heuristics.schema import Point
+from dispatch.heuristics.schema import EntryRecord, Point, SegmentRecord
 
 MODES = ("inference", "training")
 # float16 shares bfloat16's timings on a GPU (each cell checked in float16): the same kernels; the two
@@ -213,7 +213,7 @@ def series_host(points: list[Point]) -> dict[str, float]:
     return {n: statistics.median(v) for n, v in samples.items()}
 
 
-def pool_host(entries: list[dict]) -> None:
+def pool_host(entries: list[EntryRecord]) -> None:
     """Sets every point's host costs to its family's medians, in place (op, mode, dropout: any dtype,
     activation, size; only measured series' samples); what the clock read stays in ``host_us_measured``.
     Series medians still moved 15% (median) to 1.8x (p90) between two full H200 runs and 9% of the cells
@@ -269,7 +269,9 @@ def runs(
     return [(k[0], pts) for k, pts in out]
 
 
-def segment(m_from: int, name: str, points: list[Point], order: tuple[str, ...] = PREFERENCE) -> dict:
+def segment(
+    m_from: int, name: str, points: list[Point], order: tuple[str, ...] = PREFERENCE
+) -> SegmentRecord:
     """A segment won by ``name`` over ``points``; its numbers come from the closest call among them."""
 
     def margin(p: Point) -> float:
@@ -284,7 +286,7 @@ def segment(m_from: int, name: str, points: list[Point], order: tuple[str, ...] 
     speedups = [max(p["gpu_us"][BASELINE], p["host_us"][BASELINE]) / costs(p)[name] for p in base]
     errors = [p["err"][name] for p in points if name in p.get("err", {})]
     shown = [n for n in (name, runner) if n]
-    seg = {
+    seg: SegmentRecord = {
         "m_from": m_from, "backend": name, "runner_up": runner,
         "margin": round(margin(tight), 4) if runner else None,
         "speedup": round(min(speedups), 4) if speedups else None,  # the segment's worst
@@ -297,9 +299,10 @@ def segment(m_from: int, name: str, points: list[Point], order: tuple[str, ...] 
     return seg
 
 
-def fit(points: list[Point], order: tuple[str, ...] = PREFERENCE) -> list[dict]:
+def fit(points: list[Point], order: tuple[str, ...] = PREFERENCE) -> list[SegmentRecord]:
     """Segments along M, a new one where the winner, its binding clock or the GPU winner changes, from
     the geometric middle of the two points that bracket the change."""
+    segments: list[SegmentRecord]
     segments, prev = [], 0
     for name, pts in runs(points, by_clock=True, order=order):
         m_from = 1 if not segments else max(prev + 1, math.ceil(math.sqrt(prev * pts[0]["m"])))
@@ -394,4 +397,3 @@ def held_out_ms(measured: list[int], cap: int, key: str) -> list[int]:
     mids = {round(math.sqrt(a * b)) for a, b in itertools.pairwise(measured)}
     pool = sorted(m for m in (set(shapes.TOKENS) | mids) - set(measured) if 1 <= m <= cap)
     return random.Random(key).sample(pool, min(1, len(pool)))
-

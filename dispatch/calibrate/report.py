@@ -22,7 +22,7 @@ from dispatch.calibrate.plan import (
     runs,
 )  # fmt: skip
 from dispatch.cases import P_DROPOUT, Case
-from dispatch.heuristics.schema import Point
+from dispatch.heuristics.schema import DeviceInfo, Document, EntryRecord, Point, SelfCheck
 from dispatch.registry import backends
 
 TARGETS = {"within_5pct": 0.95, "worst_regret": 0.10, "worst_vs_pytorch": 0.03}
@@ -31,7 +31,7 @@ AGREE_M = tuple(4**i for i in range(9))  # 1 .. 65536: every other token count o
 NOT_CHECKED = "refit: no parity check passed in this entry"
 
 
-def document(entries: list[dict], info: dict, plan: Plan, progress: dict) -> dict:
+def document(entries: list[EntryRecord], info: DeviceInfo, plan: Plan, progress: dict) -> Document:
     """A calibration's document: ``entries``, the device ``info``, the rule and timers, and the run's
     ``progress`` (budget, families, seconds...) in its settings."""
     fields = ("op", "dtype", "mode", "dropout", "activation", "features")
@@ -58,14 +58,14 @@ def document(entries: list[dict], info: dict, plan: Plan, progress: dict) -> dic
     }  # fmt: skip
 
 
-def case_of(e: dict, m: int) -> Case:
+def case_of(e: EntryRecord, m: int) -> Case:
     """The case of a table entry at M = m (on the CPU: only the key matters for a lookup)."""
     dtype, training = getattr(torch, e["dtype"]), e["mode"] == "training"
     cpu = torch.device("cpu")
     return Case(e["op"], dtype, e["activation"], training, e["dropout"], m, tuple(e["features"]), cpu)
 
 
-def picks(doc: dict) -> list[tuple[dict, dict, Optional[str], Optional[str]]]:
+def picks(doc: Document) -> list[tuple[EntryRecord, Point, Optional[str], Optional[str]]]:
     """(entry, held-out point, the table's pick there, its pick under capture) at each timed held-out M."""
     table = heuristics.Table(doc, "<calibration>")
     out = []
@@ -79,7 +79,7 @@ def picks(doc: dict) -> list[tuple[dict, dict, Optional[str], Optional[str]]]:
     return out
 
 
-def agreement(a: dict, b: dict) -> tuple[float, int]:
+def agreement(a: Document, b: Document) -> tuple[float, int]:
     """The share of cells (entries both documents have, at each of AGREE_M) where both pick alike."""
     ta, tb = heuristics.Table(a, "<a>"), heuristics.Table(b, "<b>")
     keys = {heuristics.EntryId.of_entry(e) for e in a["entries"]}
@@ -93,7 +93,7 @@ def agreement(a: dict, b: dict) -> tuple[float, int]:
     return (same / cells if cells else 0.0), cells
 
 
-def _stats(found: list[tuple[dict[str, float], Optional[float], Optional[str]]]) -> dict:
+def _stats(found: list[tuple[dict[str, float], Optional[float], Optional[str]]]) -> SelfCheck:
     """Over (each backend's time, the baseline's, the pick): the share within 5% of the fastest, the worst
     regret, the worst slowdown against plain PyTorch."""
     regrets, vs_base, missing = [], [], 0
@@ -112,7 +112,7 @@ def _stats(found: list[tuple[dict[str, float], Optional[float], Optional[str]]])
     }  # fmt: skip
 
 
-def self_check(doc: dict) -> dict:
+def self_check(doc: Document) -> SelfCheck:
     """The table's picks on the held-out points against TARGETS, by cost and, on a GPU, (the pick under
     capture) by GPU time alone, where an untimed hopeless entry's estimate is no GPU time: left out. On a
     CPU there is no capture and no GPU clock (both clocks are the wall time): no second score."""
@@ -125,12 +125,12 @@ def self_check(doc: dict) -> dict:
         if c not in estimated(pt)
     ]
     gpu = doc["device"].get("type") == "cuda"
-    r = {**_stats(by_cost), "by_gpu_time": _stats(by_gpu) if gpu else None, "targets": TARGETS}
+    r: SelfCheck = {**_stats(by_cost), "by_gpu_time": _stats(by_gpu) if gpu else None, "targets": TARGETS}
     r["meets_targets"] = bool(r["points"]) and all(ok for _, _, _, ok in verdicts(r))
     return r
 
 
-def verdicts(r: dict) -> list[tuple[str, str, str, bool]]:
+def verdicts(r: SelfCheck) -> list[tuple[str, str, str, bool]]:
     """(what, measured, target, met) for each target of a self-check ``r`` with points."""
     t = r["targets"]
     within, regret, vs = r["within_5pct"] or 0.0, r["worst_regret"], r["worst_vs_pytorch"]
@@ -145,7 +145,7 @@ def verdicts(r: dict) -> list[tuple[str, str, str, bool]]:
     ]  # fmt: skip
 
 
-def _line(r: dict) -> str:
+def _line(r: SelfCheck) -> str:
     regret, vs = r["worst_regret"] or 0, r["worst_vs_pytorch"] or 0
     return (
         f"{r['within_5pct']:.0%} within {WITHIN:.0%} of the fastest, worst regret {regret:+.1%}, "
@@ -153,7 +153,7 @@ def _line(r: dict) -> str:
     )
 
 
-def format_self_check(r: dict, gpu: bool = True) -> str:
+def format_self_check(r: SelfCheck, gpu: bool = True) -> str:
     """The self-check, one line per target with its own verdict; ``gpu``: scored by max(GPU time, host
     cost), with the capture's pick by GPU time alone below (no target); else by wall time."""
     if not r["points"]:
@@ -190,7 +190,7 @@ def format_costs(settings: dict) -> str:
     return "time spent: " + "\n  ".join(parts) if parts else ""
 
 
-def refit_entries(entries: list[dict], gpu: bool) -> None:
+def refit_entries(entries: list[EntryRecord], gpu: bool) -> None:
     """Each entry's segments fitted again from its points, in place (on a GPU with its family's host costs,
     ``plan.pool_host``). A winner, by cost or by GPU time alone, must have passed its parity check in the
     entry, or be eager: one that has not is rejected at every point of the entry (its timings kept: plain
@@ -212,7 +212,7 @@ def refit_entries(entries: list[dict], gpu: bool) -> None:
         e["segments"] = fit(points, order)
 
 
-def refit(doc: dict) -> dict:
+def refit(doc: Document) -> Document:
     """``doc`` (a schema-2 calibration with raw points) with its segments and self-check refitted."""
     gpu = doc["device"].get("type") == "cuda"
     refit_entries(doc["entries"], gpu)

@@ -18,7 +18,7 @@ from dispatch.calibrate import report
 from dispatch.calibrate.gate import unchecked
 from dispatch.calibrate.plan import Family, Plan, Series, series_of
 from dispatch.calibrate.series import Measurer, dtype_name, entry_id
-from dispatch.heuristics.schema import EntryId
+from dispatch.heuristics.schema import DeviceInfo, Document, EntryId, EntryRecord
 
 SAVE_EVERY_S = 30.0
 END_S = 5.0  # kept from the budget (at most a tenth) for the self-check, the bandwidth probe, writing
@@ -45,7 +45,7 @@ class Settings:
         own = ops.get(op).activations
         return own if self.activations is None else tuple(a for a in self.activations if a in own)
 
-    def selects(self, e: dict, dtypes: set[str]) -> bool:
+    def selects(self, e: EntryRecord, dtypes: set[str]) -> bool:
         """Whether an existing table's entry is of this run's selection (``dtypes``: measured or shared)."""
         return e["op"] in self.ops and e["dtype"] in dtypes and e["mode"] in self.modes and (
             e["activation"] in self.activations_of(e["op"]))  # fmt: skip
@@ -60,11 +60,11 @@ class Task(NamedTuple):
 class Run:
     """One calibration: the task queues, the clock of the budget and the entries measured so far."""
 
-    def __init__(self, plan: Plan, settings: Settings, previous: Optional[dict], bar: tqdm) -> None:
+    def __init__(self, plan: Plan, settings: Settings, previous: Optional[Document], bar: tqdm) -> None:
         self.plan, self.settings, self.bar, self.start = plan, settings, bar, time.monotonic()
         self.measurer = Measurer(plan, settings.backends, lambda: self.left(), bar)
         kept = (previous or {}).get("entries", [])
-        self.entries: dict[EntryId, dict] = {EntryId.of_entry(e): e for e in kept}
+        self.entries: dict[EntryId, EntryRecord] = {EntryId.of_entry(e): e for e in kept}
         self.dtypes = {dtype_name(d) for d in plan.dtypes} | {
             dtype_name(s) for d in plan.dtypes for s in plan.shared.get(d, ())}  # fmt: skip
         # an existing table's entries of this run's selection are measured again, unless resumed
@@ -124,12 +124,12 @@ class Run:
                 save()
                 saved = time.monotonic()
 
-    def _store(self, entries: list[Optional[dict]]) -> None:
+    def _store(self, entries: list[Optional[EntryRecord]]) -> None:
         for e in entries:
             if e is not None:
                 self.entries[EntryId.of_entry(e)] = e
 
-    def document(self, info: dict, in_progress: bool, extra: dict) -> dict:
+    def document(self, info: DeviceInfo, in_progress: bool, extra: dict) -> Document:
         """The table as it stands (``extra``: the run's history and warm-up, for its settings)."""
         entries = list(self.entries.values())
         left = {f: sum(t.kind == "series" for t in q) for f, q in self.queue.items()}

@@ -19,7 +19,7 @@ from dispatch.calibrate.gate import Gates
 from dispatch.calibrate.plan import (
     BASELINE, Family, Plan, Series, contenders, held_out_ms, hopeless_in, preference, spread, to_bisect,
 )  # fmt: skip
-from dispatch.heuristics.schema import EntryId, EntryKey, Point
+from dispatch.heuristics.schema import EntryId, EntryKey, EntryRecord, Point
 from dispatch.registry import backends
 
 
@@ -87,7 +87,7 @@ class Measurer:
         timed[case.m] = round(time.monotonic() - start, 2)
         return pt
 
-    def series(self, s: Series, features: tuple[int, ...]) -> Optional[dict]:
+    def series(self, s: Series, features: tuple[int, ...]) -> Optional[EntryRecord]:
         """The representative's entry: largest M first, then the grid evenly, bisection where the winner
         changes, one held-out M for the self-check; then the parity gates. None where no winner passed."""
         f, start, before, timed = s.family, time.monotonic(), dict(self.cost), {}
@@ -122,8 +122,8 @@ class Measurer:
         return e
 
     def members(
-        self, s: Series, features: tuple[int, ...], rep: dict, complete: Callable[[EntryId], bool]
-    ) -> list[dict]:
+        self, s: Series, features: tuple[int, ...], rep: EntryRecord, complete: Callable[[EntryId], bool]
+    ) -> list[EntryRecord]:
         """The entries of the activations and dtypes sharing the representative's timings (``rep``: its
         entry), but those ``complete`` already: each keeps the timings of the backends that serve it, and
         its winners are checked at its own activation and dtype."""
@@ -144,7 +144,7 @@ class Measurer:
     def entry(
         self, s: Series, act: str, dtype: torch.dtype, features: tuple[int, ...], points: list[Point],
         held: list[Point], compiled: bool = True,
-    ) -> Optional[dict]:  # fmt: skip
+    ) -> Optional[EntryRecord]:  # fmt: skip
         """The entry of ``points`` once gated (``compiled``: the backends were timed at this activation and
         dtype, so a check compiles nothing new); None where no segment is left."""
         f = s.family
@@ -153,8 +153,10 @@ class Measurer:
         segments = self.gates.checked(points, case_at, preference(f.mode), cap, compiled)
         if not segments:
             return None
-        e = {"op": f.op, "dtype": dtype_name(dtype), "activation": act, "mode": f.mode, "dropout": f.dropout,
-             "features": list(features), "measured_as": s.rep}  # fmt: skip
+        e: EntryRecord = {
+            "op": f.op, "dtype": dtype_name(dtype), "activation": act, "mode": f.mode, "dropout": f.dropout,
+            "features": list(features), "measured_as": s.rep,
+        }  # fmt: skip
         if dtype != f.dtype:
             e["measured_dtype"] = dtype_name(f.dtype)
         e.update(parity_checked=True, max_m=max(p["m"] for p in points), segments=segments)
