@@ -14,6 +14,7 @@ from torch import Tensor
 from dispatch.contracts.activations import ACTIVATIONS, get_activation
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_STRIDED = torch.strided
 
 
 def type_name(value: object) -> str:
@@ -29,6 +30,9 @@ def _is_numpy_bool(value: object) -> bool:
 
 
 def check_tensor(name: str, t: object) -> Tensor:
+    # the common case in one test, each property read once; the errors below name what failed
+    if isinstance(t, Tensor) and t.layout is _STRIDED and not t.is_nested and t.dtype in FLOAT_DTYPES:
+        return t
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type_name(t)}")
     # every backend indexes dense memory: sparse and nested tensors would fail inside PyTorch or a kernel
@@ -44,6 +48,14 @@ def check_tensor(name: str, t: object) -> Tensor:
 
 def check_like(name: str, t: object, dtype: torch.dtype, device: torch.device) -> Tensor:
     """An operand that must match x: a dense tensor of x's dtype (a floating one, checked) and device."""
+    if (
+        isinstance(t, Tensor)
+        and t.dtype is dtype
+        and t.layout is _STRIDED
+        and not t.is_nested
+        and t.device == device
+    ):  # the common case; the errors below name what failed
+        return t
     if not isinstance(t, Tensor) or t.dtype is not dtype:
         check_tensor(name, t)  # names a non-tensor or a non-floating dtype first
         raise TypeError(f"{name} must have x's dtype {dtype}, got {t.dtype}")
@@ -146,10 +158,12 @@ def bias_act_dropout_args(
 
 def fused_linear_args(
     x: object, weight: object, bias: object, activation: object
-) -> tuple[Tensor, Tensor, Optional[Tensor], str, tuple[int, int, int], torch.device, torch.dtype]:
-    """The checked arguments, the call's (M, N, K), x's device and dtype."""
+) -> tuple[Tensor, Tensor, Optional[Tensor], str, tuple[int, int, int], torch.device, torch.dtype, bool]:
+    """The checked arguments, the call's (M, N, K), x's device and dtype, and whether x is (M, K) itself."""
     x = check_tensor("x", x)
-    m, k = rows_of(x.shape)
+    shape = x.shape
+    flat = len(shape) == 2
+    m, k = shape if flat else rows_of(shape)
     device, dtype = x.device, x.dtype
     w = check_like("weight", weight, dtype, device)
     wshape = w.shape
@@ -160,4 +174,4 @@ def fused_linear_args(
     n = wshape[0]
     if type(activation) is not str or activation not in ACTIVATIONS:
         activation = _check_activation(activation)
-    return x, w, check_bias("bias", bias, n, dtype, device), activation, (m, n, k), device, dtype
+    return x, w, check_bias("bias", bias, n, dtype, device), activation, (m, n, k), device, dtype, flat

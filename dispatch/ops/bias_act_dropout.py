@@ -22,6 +22,7 @@ from dispatch.contracts.op import (
 from dispatch.contracts.rng import Rng
 
 NAME = "bias_act_dropout"
+_grad_enabled = torch.is_grad_enabled
 
 
 class BiasActDropoutCall(OpCall):
@@ -55,11 +56,11 @@ def parse(
     x, bias, activation, p, dropout, shape, device, dtype = checks.bias_act_dropout_args(
         x, bias, activation, p, training, generator
     )
-    grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    grad = _grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     call = Call(NAME, device, dtype, shape, activation, dropout and p < 1.0, grad)
-    flat = x.dim() == 2
+    size = x.shape
     return BiasActDropoutCall(
-        call, x, bias, activation, p if dropout else 0.0, dropout, generator, x.shape, flat
+        call, x, bias, activation, p if dropout else 0.0, dropout, generator, size, len(size) == 2
     )
 
 
