@@ -241,10 +241,17 @@ def test_the_table_printer_reads_the_slim_table():
     )
 
 
-def test_calibrate_will_not_resume_a_slim_table():
-    info = heuristics.device_info(CPU)
+def test_calibrate_will_not_resume_a_slim_table(user_dir):
+    """``--resume`` over a shipped (slim) table stops before measuring, naming its raw points' file, and
+    leaves the table as it was."""
+    out = user_dir / "slim.json"
+    with open(SHIPPED, encoding="utf-8") as f:
+        out.write_text(f.read())
+    before = out.read_text()
     with pytest.raises(
         SystemExit,
-        match="keeps no raw measured points; run on benchmarks/results/calibrate_points-nvidia-h200.json",
+        match="--resume: .*slim.json keeps no raw measured points; run on "
+        "benchmarks/results/calibrate_points-nvidia-h200.json",
     ):
-        calibrate_cli._previous(SHIPPED, info)
+        calibrate_cli.main(["--resume", "--quick", "--ops", "bias_act_dropout", "--out", str(out)])
+    assert out.read_text() == before
