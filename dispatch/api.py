@@ -20,6 +20,8 @@ from dispatch.ops.fused_linear import fused_linear
 from dispatch.ops.fused_mlp import fused_mlp
 from dispatch.select import Decision
 
+_compiling = torch.compiler.is_compiling  # dynamo knows the function itself: an alias traces alike
+
 
 class _Dispatcher:
     def run(self, spec: OpSpec, c: OpCall, backend: Optional[str]) -> Tensor:
@@ -27,11 +29,18 @@ class _Dispatcher:
             check_backend(backend)
         if c.special:
             return spec.special(c, backend)
-        if torch.compiler.is_compiling():
+        if _compiling():
             from dispatch import compiling
 
             return compiling.traced(spec, c, backend)
         return select.runner(select.key(c.call, backend), spec)(c)
+
+    def run_by_table(self, spec: OpSpec, c: OpCall) -> Tensor:
+        if c.special:
+            return spec.special(c, None)
+        if _compiling():
+            return self.run(spec, c, None)
+        return select.runner(select.table_key(c.call), spec)(c)
 
     def kernels(self, call: Call, backend: Optional[str]) -> Kernels:
         return select.kernels(call, backend)

@@ -1,6 +1,8 @@
 """The ops under torch.compile: plain math where no backend is requested, or where the one requested
-traces as math (pytorch), so inductor fuses it with its neighbours; else the spec's custom op.
-Imported on the first compiled call only: torch._dynamo imports triton."""
+traces as math, so inductor fuses it with its neighbours; else the spec's custom op. A backend traces
+as math where its kernels cannot take the spec's masks the graph draws: torch's RNG (pytorch), or
+ops it chains that draw their own (composed). Imported on the first compiled call only:
+torch._dynamo imports triton."""
 
 from __future__ import annotations
 
@@ -20,7 +22,14 @@ def _requested_at_trace_time() -> Optional[str]:
     return select._requested.get() or select.env_backend()
 
 
+@torch._dynamo.assume_constant_result
+def _traces_as_math(name: str, op: str) -> bool:
+    backend = registry.get(name)
+    kernels = backend.kernels_for(op)
+    return backend.torch_masks or (kernels is not None and kernels.masks != "spec")
+
+
 def traced(spec: OpSpec, c: OpCall, backend: Optional[str]) -> Tensor:
     requested = backend or _requested_at_trace_time()
-    inline = requested is None or registry.get(requested).torch_masks
+    inline = requested is None or _traces_as_math(requested, c.call.op)
     return spec.traced(c, backend, inline)

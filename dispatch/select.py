@@ -79,8 +79,18 @@ def use_backend(name: str) -> Iterator[None]:
 def key(call: Call, backend: Optional[str]) -> tuple:
     """The cache key of a decision: the call and where a backend was asked for (the position tells the
     ``backend=`` argument from ``use_backend()``). ``DISPATCH_BACKEND`` and ``spec_masks`` need no
-    place: changing them empties the cache. The one place keys are made."""
+    place: changing them empties the cache. The one place keys are made, with ``table_key``."""
     return (call, backend, None) if backend is not None else (call, None, _requested.get())
+
+
+_BY_TABLE = "by the table, spec masks"
+
+
+def table_key(call: Call) -> tuple:
+    """The key of a call that a backend chaining the ops makes (composed's sub-calls): decided by the
+    table alone, whatever ``use_backend()`` or ``DISPATCH_BACKEND`` name (they named that backend),
+    dropout on the spec's masks whatever ``spec_masks()`` says."""
+    return (call, None, None, _BY_TABLE)
 
 
 @dataclass(frozen=True)
@@ -109,9 +119,18 @@ def runner(key: tuple, spec: OpSpec) -> Callable[[OpCall], Tensor]:
 
 
 def kernels(call: Call, backend: Optional[str]) -> Kernels:
-    """The kernels that serve ``call`` (a custom op in a compiled graph, as it runs)."""
-    found = decision(key(call, backend))
-    return found.backend.kernels_for(call.op)
+    """The kernels that serve ``call`` as a custom op of a compiled graph runs it. The graph drew the
+    spec's rngs, so where the decision names kernels that cannot take them (torch's masks on a
+    dropout call; a chaining backend's, which take a generator) the first able backend in
+    ``dispatch.backends.NAMES``' order whose kernels can serves it (the reference, eager)."""
+    found = decision(key(call, backend)).backend.kernels_for(call.op)
+    if found.masks == "spec" or (found.masks == "torch" and not call.dropout):
+        return found
+    for name, why in _reasons(call, None, backends()).items():
+        able = None if why else get(name).kernels_for(call.op)
+        if able is not None and able.masks == "spec":
+            return able
+    raise ValueError(f"no backend can run {call} on the spec's dropout masks")
 
 
 def decision(key: tuple) -> Decision:
@@ -121,7 +140,10 @@ def decision(key: tuple) -> Decision:
         if len(_cache) >= _CACHE_LIMIT:
             _cache.clear()
             _impls.clear()
-        found = decide(key[0], *_request(key[1], key[2]))
+        if len(key) > 3:  # table_key's
+            found = decide(key[0], None, spec_masks=True)
+        else:
+            found = decide(key[0], *_request(key[1], key[2]))
         _cache[key] = found
     return found
 
@@ -146,6 +168,11 @@ def clear_cache() -> None:
     _cache.clear()
     _impls.clear()
     _env_backend = os.environ.get(ENV_VAR) or None
+
+
+def cached_calls() -> list[Call]:
+    """The calls decided (or given a runner) since the last ``clear_cache()``, each once."""
+    return list(dict.fromkeys(k[0] for k in (*_cache, *_impls)))
 
 
 def spec_masks(required: bool = True) -> None:
@@ -210,11 +237,13 @@ def _first_able(reasons: Mapping[str, list[str]]) -> Optional[str]:
     return next((name for name, why in reasons.items() if not why), None)
 
 
-def _reasons(call: Call, requested: Optional[str], everyone: Mapping[str, Backend]) -> dict[str, list[str]]:
+def _reasons(
+    call: Call, requested: Optional[str], everyone: Mapping[str, Backend], spec_masks: bool = False
+) -> dict[str, list[str]]:
     reasons = {
         name: b.not_supported_reasons(call, explicit=(name == requested)) for name, b in everyone.items()
     }
-    if _spec_masks and call.dropout:
+    if (_spec_masks or spec_masks) and call.dropout:
         for name, b in everyone.items():
             if b.torch_masks and not reasons[name]:
                 reasons[name] = [
@@ -223,12 +252,12 @@ def _reasons(call: Call, requested: Optional[str], everyone: Mapping[str, Backen
     return reasons
 
 
-def decide(call: Call, requested: Optional[str], source: str = "") -> Decision:
-    """The uncached decision (``explain`` and cache misses)."""
+def decide(call: Call, requested: Optional[str], source: str = "", spec_masks: bool = False) -> Decision:
+    """The uncached decision (``explain`` and cache misses); ``spec_masks``: as under ``spec_masks()``."""
     everyone = backends()
     if requested is not None and requested not in everyone:
         raise ValueError(f"backend must be one of {', '.join(everyone)}; got {requested!r} (from {source})")
-    reasons = _reasons(call, requested, everyone)
+    reasons = _reasons(call, requested, everyone, spec_masks)
     if requested is not None:
         if reasons[requested]:
             raise ValueError(

@@ -19,12 +19,12 @@ from dispatch.heuristics.schema import Point
 NOISE = 0.05
 BASELINE = "pytorch"  # F.dropout(act(x + b), p) / act(F.linear(x, w, b)): what a user writes
 # Plain PyTorch first: within NOISE the call runs what its user wrote (no surprise); then the reference,
-# then the least compiling.
-PREFERENCE = (BASELINE, "eager", "cublaslt", "triton", "inductor", "nvfuser")
+# then the least compiling (composed compiles only where its sub-calls do).
+PREFERENCE = (BASELINE, "eager", "cublaslt", "triton", "composed", "inductor", "nvfuser")
 # Without autograd cuBLASLt's epilogue saves eager's activation pass: bf16 GPU time 0.61-1.006x eager's
 # (101 points, 12-03), host cost alike. Training keeps eager before it: cuBLASLt's Python Function costs
 # 1.47x.
-PREFERENCE_INFERENCE = (BASELINE, "cublaslt", "eager", "triton", "inductor", "nvfuser")
+PREFERENCE_INFERENCE = (BASELINE, "cublaslt", "eager", "triton", "composed", "inductor", "nvfuser")
 
 
 def costs(point: Point, host: Optional[dict[str, float]] = None) -> dict[str, float]:

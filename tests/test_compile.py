@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dispatch import fused_bias_act_dropout, fused_linear, use_backend
-from dispatch.select import _impls, clear_cache
+from dispatch.select import cached_calls, clear_cache
 
 
 class MLP(nn.Module):
@@ -132,7 +132,10 @@ def test_compile_inlines_the_reference_unless_a_backend_is_requested(device):
     torch.testing.assert_close(y, expected)
     with use_backend("eager"):
         traced = _custom_ops_traced(MLP().to(device).eval(), x)
-    assert sorted(set(traced)) == ["fusedispatch.bias_act_dropout.default", "fusedispatch.fused_linear.default"]
+    assert sorted(set(traced)) == [
+        "fusedispatch.bias_act_dropout.default",
+        "fusedispatch.fused_linear.default",
+    ]
 
 
 def test_export_traces_both_ops(device):
@@ -147,8 +150,28 @@ def test_export_traces_both_ops(device):
         for strict in (False, True):
             clear_cache()
             program = torch.export.export(model, (x,), strict=strict)
-            assert not _impls, f"strict={strict}: a backend was chosen while tracing: {list(_impls)}"
+            assert not cached_calls(), (
+                f"strict={strict}: a backend was chosen while tracing: {cached_calls()}"
+            )
             targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
             assert targets and all(isinstance(t, torch._ops.OpOverload) for t in targets), targets
             torch.testing.assert_close(program.module()(x), expected)
             torch.testing.assert_close(program.module()(x_new), expected_new)
+
+
+def test_graph_traced_under_a_backend_runs_outside_it(device):
+    """A graph traced under use_backend("eager") holds the custom op with the spec's rng it drew; run
+    later outside, where the table (none here) picks pytorch, whose masks are torch's: the op runs
+    kernels that take the spec's rng instead, and backward drops exactly what forward dropped."""
+    x = torch.randn(16, 40, device=device, requires_grad=True)
+    b = torch.randn(40, device=device)
+    compiled = torch.compile(lambda x, b: fused_bias_act_dropout(x, b, "gelu", 0.5), fullgraph=True)
+    with use_backend("eager"):
+        compiled(x, b)
+    y = compiled(x, b)
+    (grad_x,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    kept = y != 0
+    assert 0.3 < kept.float().mean().item() < 0.7
+    z = (x + b).detach().double().requires_grad_()
+    (slope,) = torch.autograd.grad(torch.nn.functional.gelu(z).sum(), z)
+    torch.testing.assert_close(grad_x.double(), kept * 2.0 * slope, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""fused_mlp on PyTorch ops: the spec's reference (``dispatch.ops.fused_mlp``) as a forward that keeps
+"""fused_mlp on PyTorch ops: the spec's reference (``dispatch.ops.fused_mlp_math``) as a forward that keeps
 only the first projection's output (the pre-activation) and a backward that regenerates both dropout
 masks and the hidden activation from it. What a forward keeps for backward: x and pre (M x F, 2F for
 a gate), where PyTorch's module keeps x, pre, the activation, its dropout mask and the output's mask.
@@ -25,7 +25,7 @@ from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import ACTIVATIONS, GATES, composed_backward
 from dispatch.contracts.backend import Kernels
 from dispatch.contracts.op import compute_dtype
-from dispatch.ops.fused_mlp import Block, activate, drop, project_in
+from dispatch.ops.fused_mlp_math import Block, activate, drop, project_in
 
 
 def _keep(rng: Any, p: float, rows: int, cols: int, device: torch.device) -> Optional[Tensor]:

@@ -1,20 +1,21 @@
 """inductor: ``torch.compile`` (fullgraph, inductor) of the eager forward and backward functions.
 
-Supports: bias_act_dropout and fused_linear, forward and backward, compiled separately (the dropout
-mask is regenerated in backward from the traced ``dispatch.contracts.rng`` int64 ops, identical to eager's);
-cpu (C++ kernels, needs a C++ compiler) and cuda (Triton kernels, compute capability >= 7.0);
-float16, bfloat16, float32; every activation. The token dimension is dynamic: one compile per kind of
-call (op, direction, activation, p, dtype, feature sizes, which gradients), not per token count.
-On a 2-core CPU a compile takes ~5 s, ~30 s with dropout (inductor's analysis of the Philox int64
-ops), plus ~25 s once per process. Not declared deterministic: Triton reduction kernels (grad_bias)
-are autotuned on first run, and the winning configuration, hence the summation order, can differ
-between processes.
+Supports: bias_act_dropout, fused_linear and fused_mlp, forward and backward, compiled separately
+(dropout masks are regenerated in backward from the traced ``dispatch.contracts.rng`` int64 ops,
+identical to eager's); cpu (C++ kernels, needs a C++ compiler) and cuda (Triton kernels, compute
+capability >= 7.0); float16, bfloat16, float32; every activation, and fused_mlp's gates. The token
+dimension is dynamic: one compile per kind of call (op, direction, activation, p, dtype, feature
+sizes, which gradients), not per token count. On a 2-core CPU a compile takes ~5 s, ~30 s with
+dropout (inductor's analysis of the Philox int64 ops), plus ~25 s once per process. Not declared
+deterministic: Triton reduction kernels (grad_bias) are autotuned on first run, and the winning
+configuration, hence the summation order, can differ between processes.
 """
 
 from __future__ import annotations
 
-from dispatch.backends.inductor import bias_act_dropout, fused_linear
+from dispatch.backends.inductor import bias_act_dropout, fused_linear, fused_mlp
 from dispatch.contracts import compiled
+from dispatch.contracts.activations import ACTIVATION_NAMES, GATED_NAMES
 from dispatch.contracts.backend import Call
 
 
@@ -33,7 +34,12 @@ def _label() -> str:
 
 BACKEND = compiled.backend(
     name="inductor",
-    kernels={"bias_act_dropout": bias_act_dropout.KERNELS, "fused_linear": fused_linear.KERNELS},
+    kernels={
+        "bias_act_dropout": bias_act_dropout.KERNELS,
+        "fused_linear": fused_linear.KERNELS,
+        "fused_mlp": fused_mlp.KERNELS,
+    },
+    activations=frozenset((*ACTIVATION_NAMES, *GATED_NAMES)),
     deterministic=False,
     summary="torch.compile (inductor) of the eager functions, dynamic in the token dimension",
     min_capability=(7, 0),

@@ -44,8 +44,9 @@ class Kernels:
     """One backend's implementation of one op; the signatures are the op's (its spec's docstring).
     ``autograd(activation)``: forward is plain torch ops that torch's autograd differentiates itself
     (no Function around it); ``masks``: "spec" regenerates dropout masks from
-    ``dispatch.contracts.rng`` in backward, "torch" draws them from torch's RNG as nn.Dropout does.
-    Kernels take x as rows, (M, features), unless ``any_shape``."""
+    ``dispatch.contracts.rng`` in backward, "torch" draws them from torch's RNG as nn.Dropout does,
+    "generator" takes the caller's generator and draws the spec's masks through the ops it chains
+    (composed). Kernels take x as rows, (M, features), unless ``any_shape``."""
 
     forward: Callable[..., Any]
     backward: Callable[..., Any]

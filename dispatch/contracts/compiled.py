@@ -25,16 +25,20 @@ from dispatch.contracts.backend import Backend, Kernels
 COMPILE_LOCK = getattr(torch._dynamo.convert_frame, "compile_lock", None) or threading.RLock()
 
 
-def backend(name: str, kernels: Mapping[str, Kernels], **declared: Any) -> Backend:
+def backend(
+    name: str, kernels: Mapping[str, Kernels], activations: frozenset[str] = frozenset(ACTIVATION_NAMES),
+    **declared: Any,
+) -> Backend:  # fmt: skip
     """The declaration of a backend that compiles eager's functions: cpu and cuda; float16, bfloat16,
-    float32; every activation (no gate); a compile per new kind of call. ``declared``: the rest of
-    its ``Backend`` (deterministic, summary, its own refusals and label)."""
+    float32; every activation (no gate unless ``activations`` names them); a compile per new kind of
+    call. ``declared``: the rest of its ``Backend`` (deterministic, summary, its own refusals and
+    label)."""
     return Backend(
         name=name,
         kernels=kernels,
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        activations=frozenset(ACTIVATION_NAMES),
+        activations=activations,
         compiles=True,
         **declared,
     )

@@ -88,9 +88,15 @@ def every_op_backend(
 
 
 class Dispatcher(Protocol):
-    """What a spec asks of the dispatcher."""
+    """What a spec, or a backend that chains the ops (composed), asks of the dispatcher."""
 
     def run(self, spec: OpSpec, c: OpCall, backend: Optional[str]) -> Tensor: ...
+
+    def run_by_table(self, spec: OpSpec, c: OpCall) -> Tensor:
+        """``run`` with the backend the table picks, whatever ``use_backend()`` or ``DISPATCH_BACKEND``
+        name (they named the chaining backend), and dropout on the spec's masks, as under
+        ``spec_masks()``: the call of an op that another op's backend makes."""
+        ...
 
     def kernels(self, call: Call, backend: Optional[str]) -> Any: ...
 

@@ -2,53 +2,34 @@
 one room. ``act`` is any activation of the table or a gate (``GATES``: act(gate) * up, where the first
 projection yields [gate; up], gate rows first, from one stacked (2F, H) weight or a (gate, up) pair).
 
-In order: the call object and its checks, the kernels' signatures, the reference and baseline math,
-how a call runs on kernels (inference, torch's autograd, or the autograd Function that regenerates
-both dropout masks in backward), the public function, and the calibration inputs. Under
-torch.compile the block traces as its baseline math, which inductor fuses with its neighbours.
+In order: the call object and its checks, how a call runs on kernels (inference, torch's autograd, or
+the autograd Function that regenerates both dropout masks in backward), the torch.library custom op a
+compiled graph keeps, the spec with its calibration inputs, and the public function. The block's
+definition (the ``Block`` kernels take, their signatures, the reference and baseline math) is
+``fused_mlp_math.py``, the room's other file.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dispatch import ops
 from dispatch.contracts import checks
 from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS, GATED_NAMES, GATES
-from dispatch.contracts.backend import Call, Kernels, composite_kernels
+from dispatch.contracts.backend import Call, Kernels
 from dispatch.contracts.op import (
     Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads, torch_keep,
 )  # fmt: skip
+from dispatch.ops.fused_mlp_math import BASELINE_KERNELS, TENSORS, Block, baseline, cast, reference
+
+__all__ = ["TENSORS", "Block", "FusedMLPCall", "fused_mlp", "parse", "reference"]
 
 NAME = "fused_mlp"
-TENSORS = ("x", "w_in", "w_up", "b_in", "b_up", "w_out", "b_out")  # the Function's inputs, in order
-
-
-class Block(NamedTuple):
-    """The block's tensors and settings as kernels take them. ``w_in`` (F, H), or (2F, H) stacked
-    [gate; up] for a gate, with ``w_up`` None; or a gate's pair: ``w_in`` the gate's (F, H), ``w_up``
-    the up projection's. Biases likewise ((F,) / (2F,) / a pair), or None."""
-
-    x: Tensor  # (M, H)
-    w_in: Tensor
-    w_up: Optional[Tensor]
-    b_in: Optional[Tensor]
-    b_up: Optional[Tensor]
-    w_out: Tensor  # (H_out, F)
-    b_out: Optional[Tensor]  # (H_out,)
-    activation: str
-    p: float  # dropout on the hidden activation; 0.0 unless training
-    p_out: float  # dropout on the output
-
-    @property
-    def tensors(self) -> tuple[Optional[Tensor], ...]:
-        return self[:7]
 
 
 class FusedMLPCall(OpCall):
@@ -131,91 +112,6 @@ def parse(
     return FusedMLPCall(call, block, generator, (*x.shape[:-1], w_out.shape[0]), flat)
 
 
-# A backend's ``Kernels`` (dispatch.contracts.backend) for this op. ``rngs`` is (rng_hidden, rng_out),
-# the spec's (seed, offset) of each mask for masks "spec" (None where its p is 0), or (generator, None)
-# for masks "torch". ``saved`` is what backward needs beyond the inputs; never a mask.
-#   forward(block, rngs) -> (y, saved)                       a call with autograd
-#   inference(block, rngs) -> y                              a call without
-#   backward(grad_y, block, rngs, saved, needs) -> grads     needs and grads follow Block.tensors
-
-
-# ----------------------------------------------------------------------------- math
-
-
-def project_in(x: Tensor, b: Block, dtype: Optional[torch.dtype] = None) -> Tensor:
-    """x @ W_in^T + b_in: (M, F), or (M, 2F) [gate; up] for a gate; in ``dtype`` if given."""
-    cast = (lambda t: t) if dtype is None else (lambda t: None if t is None else t.to(dtype))  # noqa: E731
-    pre = F.linear(cast(x), cast(b.w_in), cast(b.b_in))
-    if b.w_up is None:
-        return pre
-    return torch.cat([pre, F.linear(cast(x), cast(b.w_up), cast(b.b_up))], dim=-1)
-
-
-def activate(pre: Tensor, activation: str) -> Tensor:
-    """act(pre), or act(gate) * up for a gate."""
-    if activation in GATES:
-        gate, up = pre.chunk(2, dim=-1)
-        return ACTIVATIONS[GATES[activation]].forward(gate) * up
-    return ACTIVATIONS[activation].forward(pre)
-
-
-def reference(b: Block, rngs: tuple[Any, Any] = (None, None), upcast: bool = False,
-              keeps: tuple[Optional[Tensor], Optional[Tensor]] = (None, None)) -> Tensor:  # fmt: skip
-    """The definition, differentiable, on the block's (M, H) rows; float64 when ``upcast``. The masks
-    are the spec's for ``rngs``, or ``keeps`` (masks another RNG drew)."""
-    dtype = torch.float64 if upcast else b.x.dtype
-    a = activate(project_in(b.x, b, dtype), b.activation)
-    a = drop(a, b.p, rngs[0], keeps[0])
-    y = F.linear(a, b.w_out.to(dtype), None if b.b_out is None else b.b_out.to(dtype))
-    return drop(y, b.p_out, rngs[1], keeps[1])
-
-
-def drop(t: Tensor, p: float, rng: Any, keep: Optional[Tensor] = None) -> Tensor:
-    """t * keep * scale (F.dropout's product), the mask ``keep`` or the spec's for ``rng``."""
-    if keep is None and rng is not None and p > 0:
-        keep = dropout_rng.keep_mask(rng, t.shape[0], t.shape[1], p, t.device)
-    return t if keep is None else t * keep * dropout_rng.keep_scale(p)  # F.dropout's product
-
-
-def baseline(b: Block, generator: Optional[torch.Generator] = None) -> Tensor:
-    """The module a user writes, in x's dtype, dropout from torch's RNG (``generator``'s if given)."""
-    a = activate(project_in(b.x, b), b.activation)
-    return _torch_dropout(F.linear(_torch_dropout(a, b.p, generator), b.w_out, b.b_out), b.p_out, generator)
-
-
-def _torch_dropout(t: Tensor, p: float, generator: Optional[torch.Generator]) -> Tensor:
-    if p == 0.0:
-        return t
-    if generator is None:
-        return F.dropout(t, p, training=True)
-    return t * torch_keep(t.shape, t.dtype, t.device, p, generator) * (1.0 / (1.0 - p))
-
-
-def _baseline_backward(grad_y: Tensor, b: Block, rngs: tuple, saved: tuple, needs: tuple) -> tuple:
-    """Without dropout only: a torch-RNG mask is kept by autograd, never regenerated."""
-    if b.p or b.p_out:
-        raise RuntimeError("the pytorch backend's dropout masks are torch's: its backward is autograd's")
-    return _grads_of(lambda blk: baseline(blk), b, needs, grad_y)
-
-
-def _grads_of(fn: Callable[[Block], Tensor], b: Block, needs: tuple, grad_y: Tensor) -> tuple:
-    leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in zip(b.tensors, needs)]
-    with torch.enable_grad():
-        y = fn(Block(*leaves, *b[7:]))  # type: ignore[arg-type]
-    wanted = [t for t in leaves if t is not None and t.requires_grad]
-    found = iter(torch.autograd.grad(y, wanted, grad_y) if wanted else ())
-    return tuple(next(found) if t is not None and t.requires_grad else None for t in leaves)
-
-
-BASELINE_KERNELS = composite_kernels(
-    lambda b, rngs: (baseline(b, rngs[0]), ()), _baseline_backward, lambda b, rngs: baseline(b, rngs[0])
-)
-
-
-def _cast(b: Block, dtype: torch.dtype) -> Block:
-    return Block(*(None if t is None else t.to(dtype) for t in b.tensors), *b[7:])  # type: ignore[arg-type]
-
-
 # ----------------------------------------------------------------------------- running on kernels
 
 
@@ -239,7 +135,7 @@ class FusedMLP(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: the reference, same masks
             dtype = compute_dtype(block.x.dtype)
             grads = differentiable_grads(
-                lambda: reference(_cast(block, dtype), ctx.rngs), tensors, needs, grad_y
+                lambda: reference(cast(block, dtype), ctx.rngs), tensors, needs, grad_y
             )
         else:
             grads = ctx.kernels.backward(grad_y, block, ctx.rngs, saved, needs)
@@ -274,6 +170,76 @@ def runner(kernels: Kernels, call: Call) -> Callable[[FusedMLPCall], Tensor]:
         return y if c.flat else y.view(c.out_shape)
 
     return with_function
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+_EMPTY = (0,)
+
+
+def _kernels(b: Block, training: bool, backend: str) -> Kernels:
+    """The kernels a graph's call runs on, chosen as it runs: ones that take the spec's rngs the graph
+    drew (``select.kernels``: a graph traced under ``use_backend()`` may run outside it)."""
+    m, h = b.x.shape
+    dropout = b.p > 0 or b.p_out > 0
+    call = Call(NAME, b.x.device, b.x.dtype, (m, h, b.w_out.shape[1]), b.activation, dropout, training)
+    return ops.dispatcher().kernels(call, backend or None)
+
+
+@torch.library.custom_op("fusedispatch::fused_mlp", mutates_args=())
+def _custom(x: Tensor, w_in: Tensor, w_up: Optional[Tensor], b_in: Optional[Tensor], b_up: Optional[Tensor],
+            w_out: Tensor, b_out: Optional[Tensor], activation: str, p: float, p_out: float,
+            rng_hidden: Optional[Tensor], rng_out: Optional[Tensor], backend: str,
+            training: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(y, pre): the first projection's output kept for backward, empty without autograd."""
+    b = Block(x, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
+    kernels = _kernels(b, training, backend)
+    if not training:
+        return kernels.inference(b, (rng_hidden, rng_out)), x.new_empty(_EMPTY)
+    y, (pre,) = kernels.forward(b, (rng_hidden, rng_out))
+    return y, pre
+
+
+@_custom.register_fake
+def _(x, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out, rng_hidden, rng_out, backend, training):
+    f_in = w_in.shape[0] * (1 if w_up is None else 2)
+    return x.new_empty((x.shape[0], w_out.shape[0])), x.new_empty((x.shape[0], f_in) if training else _EMPTY)
+
+
+@torch.library.custom_op("fusedispatch::fused_mlp_backward", mutates_args=())
+def _custom_backward(grad_y: Tensor, x: Tensor, w_in: Tensor, w_up: Optional[Tensor], b_in: Optional[Tensor],
+                     b_up: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], pre: Tensor,
+                     activation: str, p: float, p_out: float, rng_hidden: Optional[Tensor],
+                     rng_out: Optional[Tensor], needs: list[bool], backend: str) -> list[Tensor]:  # fmt: skip
+    b = Block(x, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
+    grads = _kernels(b, True, backend).backward(grad_y, b, (rng_hidden, rng_out), (pre,), tuple(needs))
+    # an output may alias no other: the halves of one stacked gradient (a pair's biases) are copied
+    return [x.new_empty(_EMPTY) if g is None else g.clone() if g._base is not None else g for g in grads]
+
+
+@_custom_backward.register_fake
+def _(grad_y, x, w_in, w_up, b_in, b_up, w_out, b_out, pre, activation, p, p_out, rng_hidden, rng_out, needs,
+      backend):  # fmt: skip
+    tensors = (x, w_in, w_up, b_in, b_up, w_out, b_out)
+    return [t.new_empty(t.shape) if need else x.new_empty(_EMPTY) for t, need in zip(tensors, needs)]
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:7], output[1], *inputs[10:12])
+    ctx.args = (*inputs[7:10], inputs[12])  # activation, p, p_out, backend
+
+
+def _backward(ctx, grad_y, _grad_pre):
+    *tensors, pre, rng_hidden, rng_out = ctx.saved_tensors
+    activation, p, p_out, backend = ctx.args
+    needs = [need and t is not None for need, t in zip(ctx.needs_input_grad[:7], tensors)]
+    if not any(needs):
+        return (None,) * 14
+    grads = _custom_backward(grad_y, *tensors, pre, activation, p, p_out, rng_hidden, rng_out, needs, backend)
+    return *(g if need else None for g, need in zip(grads, needs)), *(None,) * 7
+
+
+_custom.register_autograd(_backward, setup_context=_setup)
 
 
 # ----------------------------------------------------------------------------- the spec
@@ -313,10 +279,17 @@ class FusedMLPSpec(OpSpec):
         return reference(b, (None, None), keeps=keeps).view(c.out_shape)  # type: ignore[arg-type]
 
     def traced(self, c: OpCall, backend: Optional[str], inline: bool) -> Tensor:
-        """Always the baseline math under torch.compile (no custom op yet: inductor fuses the block's
-        pointwise work; whether an opaque op beats it is not measured)."""
+        """Inline: the baseline math, which inductor fuses with its neighbours, dropout from its own RNG
+        (or the generator's, as in eager mode). Otherwise (a backend requested that takes the spec's
+        rngs) one custom op running it, both masks the spec's, their rngs drawn in the graph. Where the
+        opaque op beats inductor's code for the block is not measured yet: math unless asked."""
         assert isinstance(c, FusedMLPCall)
-        return baseline(c.block).view(c.out_shape)
+        b = c.block
+        if inline:
+            return baseline(b, c.generator).view(c.out_shape)
+        rngs = (dropout_rng.draw(b.x.device, c.generator) if q > 0 else None for q in (b.p, b.p_out))
+        y = _custom(*b.tensors, b.activation, b.p, b.p_out, *rngs, backend or "", c.call.training)[0]
+        return y.view(c.out_shape)
 
     def baseline_kernels(self) -> Kernels:
         return BASELINE_KERNELS
