@@ -1,14 +1,15 @@
 """fused_mlp: the whole MLP block on every backend, next to the module a user writes, torch.compile of it,
-this project's ops composed by hand, Liger's SwiGLU MLP and the block's GEMMs alone.
+this project's ops composed by hand, Liger's gated MLPs and the block's GEMMs alone.
 
     python benchmarks/bench_mlp.py [--out DIR] [--m 8192] [--quick] [--modes forward+backward,forward]
     python benchmarks/bench_mlp.py --cpu-smoke     # tiny sizes on the CPU, wall clock only
 
 Blocks (hidden H, intermediate F, activation, dropout p between the projections): GPT-2 (768, 3072,
 gelu_tanh, 0), ViT-B (768, 3072, gelu, 0.1), BERT-large (1024, 4096, gelu, 0.1), Qwen2-0.5B (896, 4864,
-swiglu, 0), LLaMA-2-7B (4096, 11008, swiglu, 0); biases on the non-gated blocks, none on the gated ones
-(as those models have); M = 8192 tokens; bf16. Modes: forward+backward (a training step: autograd.grad
-of x and every weight; the default) and forward (inference: no_grad, eval mode, no dropout). Entries:
+swiglu, 0), LLaMA-2-7B (4096, 11008, swiglu, 0), Gemma-2B (2048, 16384, geglu_tanh, 0); biases on the
+non-gated blocks, none on the gated ones (as those models have); M = 8192 tokens; bf16. Modes:
+forward+backward (a training step: autograd.grad of x and every weight; the default) and forward
+(inference: no_grad, eval mode, no dropout). Entries:
   pytorch       the nn.Module a user writes: Linear -> act -> Dropout -> Linear; gated, LLaMA's
                 down_proj(Dropout(act(gate_proj(x)) * up_proj(x)))
   compile       torch.compile of that module (--compile-mode)
@@ -18,8 +19,9 @@ of x and every weight; the default) and forward (inference: no_grad, eval mode, 
                 printed with the registry's reason); a gate's weight one stacked (2F, H) copy, gate rows
                 first, or with --gate-pair the module's own (gate, up) pair (as a patched model passes)
   mlp/dispatch  fused_mlp choosing for itself (its pick in the "picked" column)
-  liger         Liger-Kernel's LigerSwiGLUMLP on the module's own Linears (swiglu blocks, where
-                liger_kernel imports)
+  liger         Liger-Kernel's LigerSwiGLUMLP (swiglu) or LigerGEGLUMLP (geglu_tanh) on the module's
+                own Linears, where liger_kernel imports (on the device: its wheel carried in .whl/,
+                installed by device_run.sh's install stage; it needs only torch and triton)
   torch.mm      the block's GEMMs alone at cuBLAS speed, the floor: 2 forward, 4 more backward (a gate's
                 first is 2F wide)
 Metrics: GPU time (do_bench_cudagraph of the whole step; where capture fails do_bench's time stands in,
@@ -40,7 +42,7 @@ import common
 import torch
 from mlp_blocks import (
     BLOCKS, DTYPES, FLOOR, MODES, QUICK, SMOKE_F, SMOKE_H, SMOKE_M, Entry, build, entries, gemm_floor,
-    held_mib, liger_swiglu, saved_mib, step, validate,
+    held_mib, liger_version, saved_mib, step, validate,
 )  # fmt: skip
 from torch import Tensor
 
@@ -191,8 +193,9 @@ def run(args, blocks: list[str], ms: list[int], modes: list[str], device) -> Non
     others = sorted(set(common.registered()) - set(implementing()))
     print(f"backends that do not implement fused_mlp: {', '.join(others) or 'none'}")
     common.print_skipped(rows)
-    liger = liger_swiglu()
-    extra = {"liger_kernel": liger[1] if liger[0] else None, "blocks": {b: BLOCKS[b] for b in blocks}}
+    liger_ok, liger = liger_version()
+    print(f"liger_kernel {liger}" if liger_ok else liger)
+    extra = {"liger_kernel": liger if liger_ok else None, "blocks": {b: BLOCKS[b] for b in blocks}}
     common.write(args, "fused_mlp", {"rows": rows, **extra}, device)
     keys = ["block", "M", "mode"]
     metrics = [("x floor", "floor"), ("saved MiB", "saved_mib")]

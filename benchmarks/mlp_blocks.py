@@ -1,11 +1,19 @@
 """The MLP blocks bench_mlp.py times: the real models' sizes, the module a user writes, the entries
 (PyTorch, compile, the ops composed, fused_mlp per backend, Liger, the GEMMs alone), their check against
-the float64 reference, and what a training forward keeps for backward."""
+the float64 reference, and what a training forward keeps for backward.
+
+Liger-Kernel (``liger_kernel``, where it imports; its wheel needs only torch and triton) serves the gated
+blocks it has a module for, by its public classes: ``LigerSwiGLUMLP`` (swiglu: down(silu(gate(x)) *
+up(x)), the product in one Triton kernel each way) and ``LigerGEGLUMLP`` (geglu_tanh: its GELU is the
+tanh form, as Gemma's). Each is built on the meta device (no weights of its own) and given the plain
+module's three Linears, so it computes with the same weights."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Callable, NamedTuple, Optional, Union
+import types
+from typing import Callable, ContextManager, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -19,8 +27,10 @@ BLOCKS = {  # name -> (H, F, activation, dropout between the projections)
     "bert-large": (1024, 4096, "gelu", 0.1),
     "qwen2-0.5b": (896, 4864, "swiglu", 0.0),
     "llama-2-7b": (4096, 11008, "swiglu", 0.0),
+    "gemma-2b": (2048, 16384, "geglu_tanh", 0.0),
 }
 QUICK = ("gpt2", "qwen2-0.5b", "llama-2-7b")
+LIGER = {"swiglu": "LigerSwiGLUMLP", "geglu_tanh": "LigerGEGLUMLP"}  # activation -> Liger's module
 SMOKE_M, SMOKE_H, SMOKE_F = 64, 32, 64
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("forward+backward", "forward")
@@ -85,6 +95,7 @@ class Entry(NamedTuple):
     fn: Callable[[Tensor], Tensor]
     params: tuple[Tensor, ...]  # the leaves a training step differentiates besides x
     split: bool  # params[:2] are (gate, up), the halves of the stacked w_in
+    context: Callable[[], ContextManager] = contextlib.nullcontext  # around forward and backward
 
 
 class Models(NamedTuple):
@@ -101,19 +112,38 @@ class Models(NamedTuple):
 
 
 @functools.cache
-def liger_swiglu() -> tuple[Optional[type], str]:
-    """(LigerSwiGLUMLP, version) where liger_kernel imports, else (None, why not)."""
+def liger_version() -> tuple[bool, str]:
+    """(True, version) where liger_kernel's transformers modules import, else (False, why not)."""
     try:
         import importlib.metadata
 
-        from liger_kernel.transformers import LigerSwiGLUMLP
-    except Exception as exc:  # not installed, or its triton / transformers pins disagree with ours
-        return None, f"liger_kernel does not import: {timing.describe(exc)}"
+        import liger_kernel.transformers  # noqa: F401
+    except Exception as exc:  # not installed, or its triton / torch pins disagree with ours
+        return False, f"liger_kernel does not import: {timing.describe(exc)}"
     try:
-        version = importlib.metadata.version("liger-kernel")
+        return True, importlib.metadata.version("liger-kernel")
     except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    return LigerSwiGLUMLP, version
+        return True, "unknown"
+
+
+def liger_block(module: PlainMLP, activation: str, device) -> tuple[Optional[nn.Module], str]:
+    """Liger's module for ``activation`` over ``module``'s own Linears, or (None, why there is none)."""
+    if activation not in LIGER:
+        return None, f"Liger has no MLP module for {activation} (it has {', '.join(LIGER)})"
+    ok, version = liger_version()
+    if not ok:
+        return None, version
+    if device.type != "cuda":
+        return None, "liger's kernels are Triton's: they need CUDA"
+    import liger_kernel.transformers as liger
+
+    h, f = module.down_proj.out_features, module.down_proj.in_features
+    config = types.SimpleNamespace(hidden_size=h, intermediate_size=f, hidden_act="silu")  # what they read
+    with torch.device("meta"):  # its own Linears are replaced: no weights allocated or initialized
+        block = getattr(liger, LIGER[activation])(config)
+    for name in ("gate_proj", "up_proj", "down_proj"):  # the same Linears: the same weights
+        setattr(block, name, getattr(module, name))
+    return block, ""
 
 
 def build(h: int, f: int, activation: str, p: float, dtype, device, args) -> tuple[Models, str]:
@@ -131,19 +161,7 @@ def build(h: int, f: int, activation: str, p: float, dtype, device, args) -> tup
         weights = Weights(w_in, None, w[2], None)
     else:
         weights = Weights(*w)
-    liger, why = None, ""
-    if activation == "swiglu":
-        cls, version = liger_swiglu()
-        if cls is None:
-            why = version
-        elif device.type != "cuda":
-            why = "liger's kernels are Triton's: they need CUDA"
-        else:
-            from transformers import LlamaConfig
-
-            liger = cls(LlamaConfig(hidden_size=h, intermediate_size=f, hidden_act="silu"))
-            for name in ("gate_proj", "up_proj", "down_proj"):  # the same Linears: the same weights
-                setattr(liger, name, getattr(module, name))
+    liger, why = liger_block(module, activation, device) if module.gated else (None, "")
     return Models(module, compiled, liger, weights, activation), why
 
 
@@ -165,6 +183,13 @@ def mlp(w: Weights, activation: str, p: float, training: bool, backend: Optional
     return lambda x: fused_mlp(x, *w, activation, p, 0.0, training, backend=backend)
 
 
+def epilogues() -> ContextManager:
+    """Triton's fused_mlp in its "epilogues" variant, forward and backward."""
+    from dispatch.backends.triton import fused_mlp as triton_mlp
+
+    return triton_mlp.options(variant="epilogues")
+
+
 def entries(models: Models, p: float, training: bool, backends: list[str]) -> dict[str, Entry]:
     """Every contender at dropout ``p`` (the module's own dropout set to it) in training or eval mode."""
     module, w, act = models.module, models.weights, models.activation
@@ -176,6 +201,9 @@ def entries(models: Models, p: float, training: bool, backends: list[str]) -> di
         out["composed"] = Entry(composed(w, act, p, training), w.present, False)
     for name in (*backends, None):
         out[f"mlp/{name or 'dispatch'}"] = Entry(mlp(w, act, p, training, name), w.present, w.pair)
+    if "triton" in backends:  # the variant with the passes in the GEMMs' epilogues
+        fn = mlp(w, act, p, training, "triton")
+        out["mlp/triton+epilogues"] = Entry(fn, w.present, w.pair, epilogues)
     if models.liger is not None and p == 0:
         out["liger"] = Entry(models.liger, own, True)
     return out
@@ -186,12 +214,17 @@ def step(e: Entry, x: Tensor, gy: Tensor, mode: str) -> timing.Fn:
     if mode == "forward":
 
         def run():
-            with torch.no_grad():
+            with torch.no_grad(), e.context():
                 return e.fn(x)
 
         return run
     leaves = (x, *e.params)
-    return lambda: torch.autograd.grad(e.fn(x), leaves, gy)
+
+    def train():
+        with e.context():
+            return torch.autograd.grad(e.fn(x), leaves, gy)
+
+    return train
 
 
 def gemm_floor(w: Weights, x: Tensor, gy: Tensor, mode: str) -> timing.Fn:
@@ -219,10 +252,11 @@ def gemm_floor(w: Weights, x: Tensor, gy: Tensor, mode: str) -> timing.Fn:
 def results(e: Entry, x: Tensor, gy: Tensor, training: bool) -> list[Tensor]:
     """Output, then (training) the gradients of x, w_in (a gate's halves stacked), b_in, w_out, b_out."""
     if not training:
-        with torch.no_grad():
+        with torch.no_grad(), e.context():
             return [e.fn(x)]
-    y = e.fn(x)
-    grads = list(torch.autograd.grad(y, (x, *e.params), gy))
+    with e.context():
+        y = e.fn(x)
+        grads = list(torch.autograd.grad(y, (x, *e.params), gy))
     if e.split:
         grads[1:3] = [torch.cat(grads[1:3])]
     return [y.detach(), *grads]
@@ -275,7 +309,7 @@ def saved_mib(e: Entry, x: Tensor) -> float:
             sizes[storage.data_ptr()] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), e.context():
         y = e.fn(x)
     del y
     return sum(sizes.values()) / 2**20
@@ -285,7 +319,8 @@ def held_mib(e: Entry, x: Tensor) -> float:
     """CUDA memory a training forward leaves allocated, the output's own bytes subtracted, in MiB."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    y = e.fn(x)
+    with e.context():
+        y = e.fn(x)
     held = torch.cuda.memory_allocated() - before - y.untyped_storage().nbytes()
     del y
     return held / 2**20
