@@ -55,6 +55,21 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def pointer_offsets(off_m, off_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, INDEX_64: tl.constexpr):  # fmt: skip
+    """A pointer main loop's row, column and K offsets of the tile at (off_m, off_n) (64-bit with
+    INDEX_64), and its (BLOCK_M, 1) row and (1, BLOCK_N) column masks."""
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    if INDEX_64:
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+        offs_k = offs_k.to(tl.int64)
+    return offs_m, offs_n, offs_k, (offs_m < M)[:, None], (offs_n < N)[None, :]
+
+
+@triton.jit
 def _epilogue(
     acc,  # (BLOCK_M, BLOCK_N) float32 tile of A @ B
     off_m,  # its first row in C
@@ -109,15 +124,9 @@ def _matmul_kernel(
     DOT_FP32: tl.constexpr,  # CPU interpreter + bfloat16: its tl.dot multiplies the raw bits, upcast
 ):
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    if INDEX_64:
-        offs_m = offs_m.to(tl.int64)
-        offs_n = offs_n.to(tl.int64)
-        offs_k = offs_k.to(tl.int64)
-    in_m = (offs_m < M)[:, None]
-    in_n = (offs_n < N)[None, :]
+    offs_m, offs_n, offs_k, in_m, in_n = pointer_offsets(
+        pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, BLOCK_M, BLOCK_N, BLOCK_K, INDEX_64
+    )
     a_ptrs = A + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BLOCK_M, BLOCK_K)
     b_ptrs = B + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn  # (BLOCK_K, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -138,6 +147,81 @@ def _matmul_kernel(
         acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, C, BIAS, stride_cm, BLOCK_M, BLOCK_N, ACTIVATION,
         HAS_BIAS, INDEX_64,
     )  # fmt: skip
+
+
+@triton.jit
+def tma_load_a(A_DESC, off_m, off_k, A_KMAJOR: tl.constexpr):
+    """A's (BLOCK_M, BLOCK_K) tile at (off_m, off_k): from a descriptor over A when A_KMAJOR, else
+    over A^T."""
+    if A_KMAJOR:
+        a = A_DESC.load([off_m, off_k])
+    else:
+        a = A_DESC.load([off_k, off_m]).T
+    return a
+
+
+@triton.jit
+def tma_load_b(B_DESC, off_n, off_k, B_KMAJOR: tl.constexpr):
+    """B's (BLOCK_K, BLOCK_N) tile at (off_k, off_n): from a descriptor over B^T when B_KMAJOR, else
+    over B."""
+    if B_KMAJOR:
+        b = B_DESC.load([off_n, off_k]).T
+    else:
+        b = B_DESC.load([off_k, off_n])
+    return b
+
+
+@triton.jit
+def tile_product(
+    A, B, B_UP, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
+    A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr, GATED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    INDEX_64: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """Tile (pid_m, pid_n) of A @ B in float32 and, with GATED, of A @ B_UP over the same A tiles (else
+    the first again): the persistent kernels' main loop, here and in mlp_gemm.py. A, B and B_UP are TMA
+    descriptors (``_descriptor``'s layouts) with USE_TMA, else pointers with the strides given."""
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        for ki in range(tl.cdiv(K, BLOCK_K)):
+            off_k = ki * BLOCK_K  # TMA zero-fills past the edges: no masks
+            a = tma_load_a(A, off_m, off_k, A_KMAJOR)
+            b = tma_load_b(B, off_n, off_k, B_KMAJOR)
+            if DOT_FP32:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if GATED:
+                b_up = tma_load_b(B_UP, off_n, off_k, B_KMAJOR)
+                if DOT_FP32:
+                    b_up = b_up.to(tl.float32)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
+    else:
+        offs_m, offs_n, offs_k, in_m, in_n = pointer_offsets(
+            off_m, off_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K, INDEX_64
+        )
+        a_ptrs = A + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_offsets = offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        for ki in range(tl.cdiv(K, BLOCK_K)):
+            k_left = K - ki * BLOCK_K
+            in_k = offs_k < k_left
+            a = tl.load(a_ptrs, mask=in_m & in_k[None, :], other=0.0)
+            b = tl.load(B + b_offsets, mask=in_k[:, None] & in_n, other=0.0)
+            if DOT_FP32:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if GATED:
+                b_up = tl.load(B_UP + b_offsets, mask=in_k[:, None] & in_n, other=0.0)
+                if DOT_FP32:
+                    b_up = b_up.to(tl.float32)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_offsets += BLOCK_K * stride_bk
+    if not GATED:
+        acc_up = acc
+    return acc, acc_up
 
 
 @triton.jit
@@ -167,28 +251,15 @@ def _matmul_tma_kernel(
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
     start = tl.program_id(0)
     # the epilogue keeps its own tile counter so that it does not depend on the loop's (tutorial 09)
     tile_c = start - NUM_PROGRAMS
     for tile_id in tl.range(start, num_pid_m * num_pid_n, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            off_k = ki * BLOCK_K  # TMA zero-fills past the edges: no masks
-            if A_KMAJOR:
-                a = A_DESC.load([off_m, off_k])
-            else:
-                a = A_DESC.load([off_k, off_m]).T
-            if B_KMAJOR:
-                b = B_DESC.load([off_n, off_k]).T
-            else:
-                b = B_DESC.load([off_k, off_n])
-            if DOT_FP32:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        acc, _ = tile_product(
+            A_DESC, B_DESC, B_DESC, pid_m, pid_n, M, N, K, 0, 0, 0, 0, BLOCK_M, BLOCK_N, BLOCK_K, True,
+            A_KMAJOR, B_KMAJOR, False, INPUT_PRECISION, INDEX_64, DOT_FP32,
+        )  # fmt: skip
         tile_c += NUM_PROGRAMS
         pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
         if EPILOGUE_SPLIT == 2:

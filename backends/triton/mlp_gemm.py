@@ -17,8 +17,9 @@ if the Triton products keep cuBLAS's pace (benchmarks/PERF.md).
 pre is rounded to its dtype before the activation, as the product's output would be, so a here, the
 pass's a and the backward's recomputed a are one value. Masks are the RNG spec's over the (M, N)
 view, computed in bias_act_dropout's (BLOCK_M, BLOCK_N // 8, 8) layout (one Philox call per 8
-elements) and reshaped onto the tile. Main loops: matmul.py's two variants ("tma": persistent, host
-TensorDescriptors; "pointer": strided loads, any dtype and layout), here both persistent.
+elements) and reshaped onto the tile. Main loop: matmul.py's ``tile_product`` in either of its
+variants ("tma": host TensorDescriptors; "pointer": strided loads, any dtype and layout), here both
+persistent.
 """
 
 from __future__ import annotations
@@ -35,76 +36,9 @@ from dispatch.backends.triton import bias_act_dropout, matmul
 from dispatch.backends.triton.activations import apply
 from dispatch.backends.triton.gate import hidden_grads
 from dispatch.backends.triton.launch import Launcher
-from dispatch.backends.triton.matmul import _tile_coords
+from dispatch.backends.triton.matmul import _tile_coords, tile_product
 from dispatch.backends.triton.philox import keep_mask, seed_offset
 from dispatch.contracts.rng import Rng
-
-
-@triton.jit
-def _acc(
-    A, B, B_UP, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
-    A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr, GATED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    INDEX_64: tl.constexpr, DOT_FP32: tl.constexpr,
-):  # fmt: skip
-    """Tile (pid_m, pid_n) of A @ B in float32 and, with GATED, of A @ B_UP (else the first again). A
-    and B are TMA descriptors (matmul.py's layouts) with USE_TMA, else pointers with strides."""
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if USE_TMA:
-        for ki in range(tl.cdiv(K, BLOCK_K)):
-            off_k = ki * BLOCK_K  # TMA zero-fills past the edges: no masks
-            if A_KMAJOR:
-                a = A.load([off_m, off_k])
-            else:
-                a = A.load([off_k, off_m]).T
-            if B_KMAJOR:
-                b = B.load([off_n, off_k]).T
-            else:
-                b = B.load([off_k, off_n])
-            if DOT_FP32:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-            if GATED:
-                if B_KMAJOR:
-                    b_up = B_UP.load([off_n, off_k]).T
-                else:
-                    b_up = B_UP.load([off_k, off_n])
-                if DOT_FP32:
-                    b_up = b_up.to(tl.float32)
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
-    else:
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        if INDEX_64:
-            offs_m = offs_m.to(tl.int64)
-            offs_n = offs_n.to(tl.int64)
-            offs_k = offs_k.to(tl.int64)
-        in_m = (offs_m < M)[:, None]
-        in_n = (offs_n < N)[None, :]
-        a_ptrs = A + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_offsets = offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-        for ki in range(tl.cdiv(K, BLOCK_K)):
-            k_left = K - ki * BLOCK_K
-            in_k = offs_k < k_left
-            a = tl.load(a_ptrs, mask=in_m & in_k[None, :], other=0.0)
-            b = tl.load(B + b_offsets, mask=in_k[:, None] & in_n, other=0.0)
-            if DOT_FP32:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-            if GATED:
-                b_up = tl.load(B_UP + b_offsets, mask=in_k[:, None] & in_n, other=0.0)
-                if DOT_FP32:
-                    b_up = b_up.to(tl.float32)
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            b_offsets += BLOCK_K * stride_bk
-    if not GATED:
-        acc_up = acc
-    return acc, acc_up
 
 
 @triton.jit
@@ -162,7 +96,7 @@ def _up_kernel(
         tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE
     ):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        acc, acc_up = _acc(
+        acc, acc_up = tile_product(
             A, B, B_UP, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M,
             BLOCK_N, BLOCK_K, USE_TMA, A_KMAJOR, B_KMAJOR, GATED, INPUT_PRECISION, INDEX_64, DOT_FP32,
         )  # fmt: skip
@@ -226,7 +160,7 @@ def _grad_kernel(
         tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE
     ):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        g, _unused = _acc(
+        g, _unused = tile_product(
             A, B, B, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M,
             BLOCK_N, BLOCK_K, USE_TMA, A_KMAJOR, B_KMAJOR, False, INPUT_PRECISION, INDEX_64, DOT_FP32,
         )  # fmt: skip
