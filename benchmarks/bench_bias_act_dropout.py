@@ -32,6 +32,7 @@ import time
 from typing import Callable, Optional
 
 import common
+import report
 import torch
 
 from dispatch import timing
@@ -213,7 +214,7 @@ def plot(rows: list[dict], args) -> None:
         if any(rs for _, rs in panels):
             title = f"fused_bias_act_dropout bf16 gelu p=0.1, {mode} (GPU time)"
             out = common.path(args, f"bias_act_dropout_{mode.replace('+', '_')}", "png")
-            common.plot_panels(panels, "gbs", "copy", "GB/s (minimum bytes)", title, out)
+            report.plot_panels(panels, "gbs", "copy", "GB/s (minimum bytes)", title, out)
 
 
 def main() -> None:
@@ -242,10 +243,10 @@ def main() -> None:
         took = time.perf_counter() - start
         print(f"[{took:5.0f}s] {m}x{n} {dt} {act} p={pr} {mode}: gpu us {times or '-'}; "
               f"wall us {walls or row.get('error', '-')}", flush=True)  # fmt: skip
-    common.save_sweep(args, "bias_act_dropout", rows, device, plot)
+    report.save_sweep(args, "bias_act_dropout", rows, device, plot)
     keys = ["M", "N", "dtype", "act", "p", "mode"]
     metrics = [("GB/s", "gbs"), ("% copy", "pct_copy")]
-    common.print_sweep_tables(rows, names, keys, metrics, time.perf_counter() - start)
+    report.print_sweep_tables(rows, names, keys, metrics, time.perf_counter() - start)
 
 
 if __name__ == "__main__":

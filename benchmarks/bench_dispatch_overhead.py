@@ -43,6 +43,7 @@ import statistics
 from typing import Callable, Iterator, NamedTuple, Optional
 
 import common
+import report
 import torch
 
 from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear, timing
@@ -324,7 +325,7 @@ def main() -> None:
         f"({where(worst_paired)})"
     )
     heads = list(rows[0])
-    common.print_table([[r[h] for h in heads] for r in rows], heads, title="host us per call (A/A: controls)")
+    report.print_table([[r[h] for h in heads] for r in rows], heads, title="host us per call (A/A: controls)")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """End to end: does dispatch.patch make GPT-2 train faster, with the same loss and less memory?
 
 A GPT-2-small-sized model (12 layers, 768 wide, 12 heads, vocab 50257, context 1024) from a
-transformers GPT2Config, random init (nothing downloaded), bf16 autocast, fused AdamW, dropout 0.1
-everywhere (embeddings, attention, residuals; the MLP's output dropout then runs in the fused block).
+transformers GPT2Config (``e2e_gpt2``), random init (nothing downloaded), bf16 autocast, fused AdamW,
+dropout 0.1 everywhere (embeddings, attention, residuals; the MLP's output dropout then runs in the
+fused block).
 ``dispatch.patch`` makes each GPT2MLP one FusedMLP (c_fc -> gelu_new -> c_proj -> dropout in one
 ``fused_mlp`` call). Configs (``e2e_common``'s names) train from the same initial weights on the same
 batches: eager, patched (the dispatcher picks the block's backend), patched-triton (forced onto triton),
@@ -38,26 +39,32 @@ compile+patched >= 1.02x compile; loss within 1%.
 from __future__ import annotations
 
 import copy
-import gc
 import itertools
 import time
 import traceback
 
 import common
+import e2e_gpt2
 import e2e_profile
+import e2e_report
 import torch
 from e2e_common import (
-    PARITY_TAIL,
     SEED,
+    backend_label,
     backend_of,
+    chain_batches,
     dispatch_backend,
+    final_loss,
+    in_turn,
     is_compiled,
     is_patched,
-    markov_corpus,
+    median,
+    optimizer,
     paired,
-    plot,
+    release,
+    schedule,
+    speedups,
     step,
-    targets,
     why_skipped,
 )
 from tabulate import tabulate
@@ -129,63 +136,12 @@ def arguments():
     return args
 
 
-def gpt2_config(args):
-    from transformers import GPT2Config
-
-    width, heads = (64, 4) if args.tiny else (768, 12)
-    drop = args.dropout
-    return GPT2Config(
-        n_layer=args.layers, n_embd=width, n_head=heads, vocab_size=args.vocab,
-        n_positions=max(1024, args.seq), resid_pdrop=drop, embd_pdrop=drop, attn_pdrop=drop,
-        activation_function="gelu_new", use_cache=False, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-
-
-def build(name: str, config, state, device, args):
-    """The model of config ``name`` from ``state`` (patched for patched configs; not compiled), and
-    the patch report or None."""
-    from transformers import GPT2LMHeadModel
-
-    import dispatch
-
-    with torch.device(device):  # its random init on the device, then overwritten: faster than on the host
-        model = GPT2LMHeadModel(config)
-    model.load_state_dict(state)
-    model.train()
-    options = {
-        "mlp_blocks": not args.mlp_blocks_off,
-        "bias_in_linear": not args.bias_in_dropout,
-        "linear_dropout": not args.no_linear_dropout,
-    }
-    report = dispatch.patch(model, **options) if is_patched(name) else None
-    return model, report
-
-
-def optimizer(model, args, device):
-    cuda = device.type == "cuda"
-    return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
-
-
-def mlps(model) -> list:
-    """The model's MLP blocks (a FusedMLP each once patched with whole blocks)."""
-    return [block.mlp for block in model.transformer.h]
-
-
-def release(compiled: bool, device) -> None:
-    if compiled:
-        torch._dynamo.reset()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def train(model, batches, args, device, backend) -> tuple[list[float], list[float], float]:
     """Trains ``args.steps`` steps; returns per-step losses, per-step milliseconds between stamps on
     the device's stream (``timing.stamp``: CUDA events, no host synchronization), and the wall
     milliseconds per step over the steps after the warm-up (perf_counter, synchronized at both ends)."""
-    opt = optimizer(model, args, device)
-    warm = max(1, args.steps // 15)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    opt = optimizer(model, args.lr, device)
+    sched = schedule(opt, args.steps)
     torch.manual_seed(SEED)  # the same dropout stream start for every config
     losses, marks = [], []
     wall_start = time.perf_counter()
@@ -205,10 +161,7 @@ def train(model, batches, args, device, backend) -> tuple[list[float], list[floa
 
 
 def run_config(name, config, state, batches, args, device) -> dict:
-    row = {
-        "config": name,
-        "backend": (backend_of(name, args.backend) or "dispatch") if is_patched(name) else "-",
-    }
+    row = {"config": name, "backend": backend_label(name, args.backend)}
     skip = why_skipped(name, device)
     if skip:
         print(skip)
@@ -218,24 +171,23 @@ def run_config(name, config, state, batches, args, device) -> dict:
         torch.cuda.reset_peak_memory_stats()
     model = compiled = None
     try:
-        model, report = build(name, config, state, device, args)
+        model, report = e2e_gpt2.build(name, config, state, device, args)
         if report is not None:
             row["patch"] = str(report)
             row["replaced"] = len(report)
         compiled = torch.compile(model) if is_compiled(name) else model
         start = time.perf_counter()
         losses, ms, wall_ms = train(compiled, batches, args, device, backend_of(name, args.backend))
-        timed = sorted(ms[args.warmup :])
-        median = timed[len(timed) // 2]
+        mid = median(ms[args.warmup :])
         row.update(
             status="ok",
-            step_ms=median,
+            step_ms=mid,
             wall_step_ms=wall_ms,
-            tokens_per_s=args.batch * args.seq / (median / 1e3),
+            tokens_per_s=args.batch * args.seq / (mid / 1e3),
             first_step_s=ms[0] / 1e3,
             wall_s=time.perf_counter() - start,
             peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            final_loss=sum(losses[-PARITY_TAIL:]) / len(losses[-PARITY_TAIL:]),
+            final_loss=final_loss(losses),
             losses=losses,
         )
     except Exception as e:  # noqa: BLE001  (one config failing must not hide the others)
@@ -243,7 +195,7 @@ def run_config(name, config, state, batches, args, device) -> dict:
         row.update(status="failed", error=f"{type(e).__name__}: {e}"[:600])
     finally:
         del model, compiled
-        release(is_compiled(name), device)
+        release(device, is_compiled(name))
     return row
 
 
@@ -255,26 +207,26 @@ def duel(pair: tuple[str, str], config, state, batches, args, device) -> dict:
     to call, and the compile / compile+patched ratio between 0.9996x and 1.0035x, for the same graphs.
 
     Returns the pair and ``paired``'s summary of the two configs' step times."""
-    runs = []
+    steps = []
     for name in pair:
-        model, _ = build(name, config, state, device, args)
+        model, _ = e2e_gpt2.build(name, config, state, device, args)
         run = torch.compile(model) if is_compiled(name) else model
-        runs.append((run, optimizer(model, args, device), backend_of(name, args.backend)))
+        steps.append(stepper(run, optimizer(model, args.lr, device), backend_of(name, args.backend), device))
     warm = 3
-    marks: list[list] = [[], []]
-    for i, (x, y) in enumerate(itertools.islice(itertools.cycle(batches), warm + args.duel)):
-        for k in (0, 1) if i % 2 == 0 else (1, 0):  # neither config always goes first
-            run, opt, backend = runs[k]
-            start = timing.stamp(device)
-            with dispatch_backend(backend):
-                step(run, opt, x, y, device)
-            if i >= warm:
-                marks[k].append((start, timing.stamp(device)))
-    timing.synchronize(device)
-    ms = [[timing.elapsed_ms(a, b) for a, b in m] for m in marks]
-    del runs
-    release(any(is_compiled(n) for n in pair), device)
+    ms = in_turn(steps, itertools.islice(itertools.cycle(batches), warm + args.duel), device, warm=warm)
+    del steps
+    release(device, any(is_compiled(n) for n in pair))
     return {"pair": list(pair), **paired(ms[0], ms[1])}
+
+
+def stepper(model, opt, backend, device):
+    """One training step of ``model`` on a batch ``(x, y)``, under ``backend``."""
+
+    def run(x, y) -> None:
+        with dispatch_backend(backend):
+            step(model, opt, x, y, device)
+
+    return run
 
 
 def standard_pairs(ok: set[str]) -> list[tuple[str, str]]:
@@ -292,46 +244,21 @@ def profile(rows, config, state, batches, args, device) -> dict:
     shares, blocks = {}, {}
     warm = 3
     for name in names:
-        model, _ = build(name, config, state, device, args)
+        model, _ = e2e_gpt2.build(name, config, state, device, args)
         backend = backend_of(name, args.backend)
-        blocks[name] = (copy.deepcopy(mlps(model)[0]), backend)  # layer 0's block, initial weights
-        opt = optimizer(model, args, device)
+        blocks[name] = (copy.deepcopy(e2e_gpt2.mlps(model)[0]), backend)  # layer 0's block, initial weights
+        opt = optimizer(model, args.lr, device)
         with dispatch_backend(backend):
             for x, y in batches[:warm]:
                 step(model, opt, x, y, device)
         chosen = batches[warm : warm + args.profile_steps]
-        shares[name] = e2e_profile.mlp_share(model, opt, mlps(model), chosen, device, backend)
+        shares[name] = e2e_profile.mlp_share(model, opt, e2e_gpt2.mlps(model), chosen, device, backend)
         del model, opt
-        release(False, device)
-    alone = {}
-    if "eager" in blocks and len(blocks) > 1:
-        shape = (args.batch, args.seq, config.n_embd)
-        rep_ms = 20.0 if args.tiny else 60.0
-        alone = e2e_profile.block_alone(blocks, shape, device, rep_ms=rep_ms)
+        release(device)
+    alone = e2e_profile.against_eager(blocks, (args.batch, args.seq, config.n_embd), device, args.tiny)
     del blocks
-    release(False, device)
+    release(device)
     return {"mlp_share": shares, "block_alone": alone}
-
-
-def decisions(config, args, device) -> dict:
-    """What the dispatcher picks for the patched block's fused_mlp call at this size (bf16, training),
-    as patch passes it (Conv1D weights (in, out) as transposed views), per patched backend."""
-    from dispatch import explain
-
-    m, d, h = args.batch * args.seq, config.n_embd, 4 * config.n_embd
-    kw = {"device": device, "dtype": torch.bfloat16, "requires_grad": True}
-    x, w1, b1 = torch.randn(m, d, **kw), torch.randn(d, h, **kw), torch.randn(h, **kw)
-    w2, b2 = torch.randn(h, d, **kw), torch.randn(d, **kw)
-    out = {}
-    for name in ("patched", "patched-triton"):
-        with dispatch_backend(backend_of(name, args.backend)):
-            try:
-                out[name] = str(
-                    explain("fused_mlp", x, w1.t(), b1, w2.t(), b2, "gelu_tanh", 0.0, args.dropout, True)
-                )
-            except Exception as exc:  # e.g. triton on the CPU: the reason is the answer
-                out[name] = timing.describe(exc)
-    return out
 
 
 def summary(rows, config, args, entropy, duels, prof, device) -> None:
@@ -347,16 +274,12 @@ def summary(rows, config, args, entropy, duels, prof, device) -> None:
     for r in rows:
         if r["status"] != "ok":
             print(f"{r['config']} {r['status']}: {r['error'].splitlines()[0]}")
-    for d in duels:
-        print(f"duel {d['pair'][0]} vs {d['pair'][1]}, {d['steps']} alternating steps each: step ms "
-              f"{d['step_ms'][0]:.3f} vs {d['step_ms'][1]:.3f}")  # fmt: skip
-    if prof["mlp_share"]:
-        lines, heads = e2e_profile.prediction(prof["mlp_share"], prof["block_alone"], rows, duels)
-        print(f"\nthe MLP blocks in the step ({args.profile_steps} stamped steps) and alone "
-              f"({args.batch} x {args.seq} tokens, {'GPU' if device.type == 'cuda' else 'wall'} ms); "
-              f"predicted x = 1 / (1 - eager's share + share / block x)")  # fmt: skip
-        print(tabulate(lines, headers=heads, floatfmt=".4g", missingval="-"))
-    found = targets(rows, duels, speedup=SPEEDUP, compile_speedup=COMPILE_SPEEDUP)
+    e2e_report.print_duels(duels, "alternating steps each")
+    clock = "GPU" if device.type == "cuda" else "wall"
+    what = (f"the MLP blocks in the step ({args.profile_steps} stamped steps) and alone "
+            f"({args.batch} x {args.seq} tokens, {clock} ms)")  # fmt: skip
+    e2e_profile.print_prediction(prof, rows, duels, what)
+    found = e2e_report.targets(rows, duels, speedup=SPEEDUP, compile_speedup=COMPILE_SPEEDUP)
     print(tabulate(found, headers=["target", "measured", ""]))
 
 
@@ -364,14 +287,10 @@ def main() -> None:
     args = arguments()
     device = common.setup(args)
     import transformers
-    from transformers import GPT2LMHeadModel
 
-    config = gpt2_config(args)
-    torch.manual_seed(SEED)
-    state = GPT2LMHeadModel(config).state_dict()  # kept on CPU, out of the memory peaks
-    corpus, entropy = markov_corpus(args.steps * args.batch, args.seq + 1)
-    corpus = corpus.to(device).view(args.steps, args.batch, args.seq + 1)
-    batches = [(c[:, :-1], c[:, 1:]) for c in corpus]
+    config = e2e_gpt2.gpt2_config(args)
+    state = e2e_gpt2.initial_state(config)  # kept on CPU, out of the memory peaks
+    batches, entropy = chain_batches(args.steps, args.batch, args.seq, device)
 
     with common.logged(args, "bench_e2e"):
         rows = []
@@ -393,14 +312,10 @@ def main() -> None:
                 prof = profile(rows, config, state, batches, args, device)
             except Exception:  # noqa: BLE001  (the runs and duels still stand)
                 traceback.print_exc()
-        by = {r["config"]: r for r in rows if r["status"] == "ok"}
-        for r in by.values():  # the baselines: plain PyTorch (eager) and torch.compile of the original model
-            for base in ("eager", "compile"):
-                if base in by:
-                    r[f"x_{base}"] = r["tokens_per_s"] / by[base]["tokens_per_s"]
+        speedups(rows, ("eager", "compile"))  # the baselines: plain PyTorch, torch.compile of the original
 
         png = common.path(args, "bench_e2e_loss", "png")
-        drawn = plot(rows, entropy, png)
+        drawn = e2e_report.plot(rows, entropy, png, e2e_gpt2.TITLE)
         model = {
             "layers": config.n_layer, "width": config.n_embd, "heads": config.n_head,
             "vocab": config.vocab_size, "attn_implementation": getattr(config, "_attn_implementation", None),
@@ -409,8 +324,8 @@ def main() -> None:
             "transformers": transformers.__version__,
             "model": model,
             "chain_entropy_nats": entropy,
-            "decisions": decisions(config, args, device),
-            "targets": targets(rows, duels, speedup=SPEEDUP, compile_speedup=COMPILE_SPEEDUP),
+            "decisions": e2e_gpt2.decisions(config, args, device),
+            "targets": e2e_report.targets(rows, duels, speedup=SPEEDUP, compile_speedup=COMPILE_SPEEDUP),
             "duels": duels,
             "profile": prof,
             "rows": rows,

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 import common
+import report
 import torch
 
 from dispatch import fused_linear, timing
@@ -260,7 +261,7 @@ def main() -> None:
     every = [r for r in rows if "ratio_wall:eager" in r]
     ok = sum(all(r.get(f"ratio_{c}:eager", float("inf")) <= WITHIN for c in clocks) for r in every)
     title = f"eager parity, {dtype} on {device.type} ({took:.0f} s): eager/pytorch <= {WITHIN} on every clock"
-    common.print_table(lines, heads, title=f"{title} at {ok}/{len(every)} points")
+    report.print_table(lines, heads, title=f"{title} at {ok}/{len(every)} points")
 
 
 if __name__ == "__main__":

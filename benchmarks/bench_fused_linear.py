@@ -30,6 +30,7 @@ import time
 from typing import Callable
 
 import common
+import report
 import torch
 import torch.nn.functional as F
 
@@ -224,8 +225,9 @@ def breakdown_pieces(x, w, b, gy, act: str) -> dict[str, timing.Fn]:
     """Where a training call's GPU time goes: the composite and the triton backend whole, then each of
     their kernels alone (cuBLAS products, PyTorch's activation passes and bias-gradient sum, the
     triton backend's bias + activation passes)."""
-    from dispatch import fused_linear
     from dispatch.backends.triton import bias_act_dropout as triton_bad
+
+    from dispatch import fused_linear
 
     composite = _pytorch(act)
     a = ACTIVATIONS[act]
@@ -278,7 +280,7 @@ def breakdown(args, device: torch.device) -> None:
         result += [dict(zip(("shape", "entry", "us", "x_pytorch"), line)) for line in lines[-len(got) - 2 :]]
     common.write(args, "fused_linear_breakdown", {"rows": result}, device)
     title = "bf16 gelu_tanh training: GPU us (CUDA graph), host us"
-    common.print_table(lines, ["shape", "entry", "us", "x pytorch"], title=title)
+    report.print_table(lines, ["shape", "entry", "us", "x pytorch"], title=title)
 
 
 # ----------------------------------------------------------------------------- report
@@ -295,7 +297,7 @@ def plot(rows: list[dict], args) -> None:
         if any(rs for _, rs in panels):
             out = common.path(args, f"fused_linear_{mode.replace('+', '_')}", "png")
             title = f"fused_linear bf16 gelu_tanh, {mode} (GPU time)"
-            common.plot_panels(panels, "tflops", "torch.mm", "TFLOP/s", title, out)
+            report.plot_panels(panels, "tflops", "torch.mm", "TFLOP/s", title, out)
 
 
 def main() -> None:
@@ -338,10 +340,10 @@ def main() -> None:
             tf = " ".join(f"{k[7:]}={v:.3g}" for k, v in rows[-1].items() if k.startswith("tflops:"))
             print(f"[{time.perf_counter() - start:4.0f}s] {pair} M={M} {key['dtype']} {act} {mode}: "
                   f"TFLOP/s {tf or rows[-1].get('error', '-')}", flush=True)  # fmt: skip
-    common.save_sweep(args, "fused_linear", rows, device, plot)
+    report.save_sweep(args, "fused_linear", rows, device, plot)
     keys = ["pair", "M", "dtype", "act", "mode"]
     metrics = [("TFLOP/s", "tflops"), ("% mm", "pct_mm")]
-    common.print_sweep_tables(rows, names, keys, metrics, time.perf_counter() - start)
+    report.print_sweep_tables(rows, names, keys, metrics, time.perf_counter() - start)
 
 
 if __name__ == "__main__":

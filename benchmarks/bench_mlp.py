@@ -39,11 +39,27 @@ import time
 from typing import Optional
 
 import common
+import report
 import torch
 from mlp_blocks import (
-    BLOCKS, DTYPES, FLOOR, MODES, QUICK, SMOKE_F, SMOKE_H, SMOKE_M, Entry, build, entries, gemm_floor,
-    held_mib, liger_version, saved_mib, step, validate,
-)  # fmt: skip
+    BLOCKS,
+    DTYPES,
+    FLOOR,
+    MODES,
+    QUICK,
+    SMOKE_F,
+    SMOKE_H,
+    SMOKE_M,
+    Entry,
+    build,
+    entries,
+    gemm_floor,
+    held_mib,
+    liger_version,
+    saved_mib,
+    step,
+    validate,
+)
 from torch import Tensor
 
 from dispatch import timing
@@ -192,7 +208,7 @@ def run(args, blocks: list[str], ms: list[int], modes: list[str], device) -> Non
                 print(f"[{took:4.0f}s] {name} M={m} {mode}: ms {_times(rows[-1])}", flush=True)
     others = sorted(set(common.registered()) - set(implementing()))
     print(f"backends that do not implement fused_mlp: {', '.join(others) or 'none'}")
-    common.print_skipped(rows)
+    report.print_skipped(rows)
     liger_ok, liger = liger_version()
     print(f"liger_kernel {liger}" if liger_ok else liger)
     extra = {"liger_kernel": liger if liger_ok else None, "blocks": {b: BLOCKS[b] for b in blocks}}
@@ -200,11 +216,11 @@ def run(args, blocks: list[str], ms: list[int], modes: list[str], device) -> Non
     keys = ["block", "M", "mode"]
     metrics = [("x floor", "floor"), ("saved MiB", "saved_mib")]
     metrics += [("held MiB", "held_mib")] if device.type == "cuda" else []
-    lines, heads = common.long_table(rows, keys, metrics)
+    lines, heads = report.long_table(rows, keys, metrics)
     took = time.perf_counter() - start
-    common.print_table(lines, heads, title=f"every entry (x = baseline's time / entry's; {took:.0f} s)")
+    report.print_table(lines, heads, title=f"every entry (x = baseline's time / entry's; {took:.0f} s)")
     clock = "GPU time (CUDA graph)" if device.type == "cuda" else "wall time"
-    common.print_table(*wide_table(rows, device), title=f"fused_mlp, {args.dtype}: {clock}, ms")
+    report.print_table(*wide_table(rows, device), title=f"fused_mlp, {args.dtype}: {clock}, ms")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""What the end-to-end training benchmarks share: the Markov-chain data, one training step, the duel
-statistics, the configs' names and backends, the loss plot and the targets table (bench_e2e for GPT-2,
-bench_e2e_llama for a LLaMA-style model).
+"""What the end-to-end training benchmarks share (bench_e2e for GPT-2, bench_e2e_llama for a LLaMA-style
+model): the configs' names and backends, the Markov-chain data, a model built from the shared initial
+weights, the optimizer and its warm-up, one training step, configs stepped in turn and the duel
+statistics, the rows' speedups, and what the dispatcher picks per config. What they print and draw
+(the duels' lines, the loss plot, the targets table) is ``e2e_report``'s.
 
 A config's name says what runs: ``eager`` (the model as built), ``patched`` (``dispatch.patch(model)``,
 the dispatcher picking each call's backend, or ``--backend``'s), ``patched-triton`` (the same model
@@ -10,16 +12,18 @@ with every fused call forced onto triton, ``use_backend("triton")``), and ``comp
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
-import common
+import common  # noqa: F401  (puts the repository on sys.path when run as a script)
 import torch
 import torch.nn.functional as F
 
+from dispatch import timing
+
 CHAIN_VOCAB, CHAIN_FANOUT, SEED = 1024, 8, 20261130
 PARITY_TAIL, PARITY_TOL, SPEEDUP_TARGET = 20, 0.01, 1.1
-GPT2_TITLE = "GPT-2 training, bf16 autocast, dropout 0.1: eager vs dispatch.patch vs torch.compile"
 
 
 def markov_corpus(n_seq: int, length: int) -> tuple[torch.Tensor, float]:
@@ -36,6 +40,52 @@ def markov_corpus(n_seq: int, length: int) -> tuple[torch.Tensor, float]:
     return tokens, float(-(probs * probs.log()).sum())
 
 
+def chain_batches(steps: int, batch: int, seq: int, device) -> tuple[list, float]:
+    """``steps`` (inputs, targets) pairs of ``batch`` x ``seq`` tokens from the chain, on ``device``, and
+    the chain's entropy."""
+    corpus, entropy = markov_corpus(steps * batch, seq + 1)
+    corpus = corpus.to(device).view(steps, batch, seq + 1)
+    return [(c[:, :-1], c[:, 1:]) for c in corpus], entropy
+
+
+def initial_state(model_class, config) -> dict:
+    """The weights every config starts from: a seeded ``model_class(config)``'s, on the host (out of
+    the memory peaks)."""
+    torch.manual_seed(SEED)
+    return model_class(config).state_dict()
+
+
+def from_state(model_class, config, state: dict, device) -> torch.nn.Module:
+    """``model_class(config)`` with the weights of ``state``, in training mode; built on ``device`` (its
+    random init then overwritten: faster than on the host)."""
+    with torch.device(device):
+        model = model_class(config)
+    model.load_state_dict(state)
+    model.train()
+    return model
+
+
+def optimizer(model, lr: float, device) -> torch.optim.Optimizer:
+    """AdamW (betas 0.9 / 0.95, weight decay 0.1), fused on CUDA."""
+    cuda = device.type == "cuda"
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+
+
+def schedule(opt, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A linear warm-up of the learning rate over the first fifteenth of ``steps``."""
+    warm = max(1, steps // 15)
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+
+
+def release(device, compiled: bool = False) -> None:
+    """Frees what the last model held: dynamo's caches (``compiled``), garbage, CUDA's cached blocks."""
+    if compiled:
+        torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def step(model, opt, x, y, device) -> torch.Tensor:
     """One training step (bf16 autocast, clipping, the optimizer); returns the loss, not synchronized."""
     with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -46,6 +96,34 @@ def step(model, opt, x, y, device) -> torch.Tensor:
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+def in_turn(steps: Sequence[Callable], batches, device, warm: int = 0) -> list[list[float]]:
+    """Each of ``steps`` (``step(x, y)``: one training step) on each batch in turn, the order rotated
+    each batch so that none always goes first: one GPU clock and host phase for all. Each one's step
+    milliseconds (stamps on the device's stream: CUDA events, no host synchronization) after the first
+    ``warm`` batches."""
+    marks: list[list] = [[] for _ in steps]
+    for i, (x, y) in enumerate(batches):
+        shift = i % len(steps)
+        for k in [*range(shift, len(steps)), *range(shift)]:
+            start = timing.stamp(device)
+            steps[k](x, y)
+            if i >= warm:
+                marks[k].append((start, timing.stamp(device)))
+    timing.synchronize(device)
+    return [[timing.elapsed_ms(a, b) for a, b in m] for m in marks]
+
+
+def median(values: Sequence[float]) -> float:
+    """The middle value (the upper one of an even count)."""
+    return sorted(values)[len(values) // 2]
+
+
+def final_loss(losses: Sequence[float]) -> float:
+    """The mean loss of the last ``PARITY_TAIL`` steps: what loss parity compares."""
+    tail = losses[-PARITY_TAIL:]
+    return sum(tail) / len(tail)
 
 
 def paired(first_ms: list[float], second_ms: list[float]) -> dict:
@@ -59,7 +137,7 @@ def paired(first_ms: list[float], second_ms: list[float]) -> dict:
     lo, hi = ratios[max(0, int(n / 2 - half))], ratios[min(n - 1, int(n / 2 + half))]
     return {
         "steps": n,
-        "step_ms": [sorted(m)[len(m) // 2] for m in (first_ms, second_ms)],
+        "step_ms": [median(m) for m in (first_ms, second_ms)],
         "ratio": ratios[n // 2],
         "ratio_95": [lo, hi],
         "second_faster": sum(r < 1.0 for r in ratios) / n,
@@ -78,6 +156,25 @@ def backend_of(config: str, default: Optional[str]) -> Optional[str]:
     """The dispatch backend a config runs under: triton for ``...-triton``, else ``default`` (None: the
     dispatcher picks)."""
     return "triton" if config.endswith("-triton") else default
+
+
+def backend_label(config: str, default: Optional[str]) -> str:
+    """A row's backend column: a patched config's backend (``backend_of``), ``dispatch`` where the
+    dispatcher picks, ``-`` for unpatched configs."""
+    return (backend_of(config, default) or "dispatch") if is_patched(config) else "-"
+
+
+def explain_each(configs: Sequence[str], default: Optional[str], explain: Callable[[], object]) -> dict:
+    """``str(explain())`` under each config's backend: what the dispatcher picks, or why the call
+    cannot run there (e.g. triton on the CPU: the reason is the answer)."""
+    out = {}
+    for name in configs:
+        with dispatch_backend(backend_of(name, default)):
+            try:
+                out[name] = str(explain())
+            except Exception as exc:
+                out[name] = timing.describe(exc)
+    return out
 
 
 def is_patched(config: str) -> bool:
@@ -99,105 +196,10 @@ def why_skipped(config: str, device) -> Optional[str]:
     return None
 
 
-def _moving_mean(values: list[float], k: int) -> list[float]:
-    return [sum(values[i - k : i]) / k for i in range(k, len(values) + 1)]
-
-
-def plot(rows, entropy, path, title: str = GPT2_TITLE) -> bool:
-    """Left: the loss curves overlaid. Right: each config's moving mean relative to eager's, in %."""
-    if not common.have_matplotlib():
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if r["status"] == "ok"]
-    eager = next((r for r in ok if r["config"] == "eager"), None)
-    fig, (curves, rel) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in ok:
-        curves.plot(r["losses"], label=r["config"], lw=1)
-        if eager is not None and r is not eager:
-            k = min(PARITY_TAIL, len(r["losses"]))
-            mine, base = _moving_mean(r["losses"], k), _moving_mean(eager["losses"], k)
-            diff = [100 * (a / b - 1) for a, b in zip(mine, base)]
-            rel.plot(range(k - 1, len(r["losses"])), diff, label=r["config"], lw=1)
-    curves.axhline(entropy, color="gray", ls=":", lw=1, label="chain entropy (the floor)")
-    curves.set(yscale="log", xlabel="step", ylabel="training loss", title="loss, same weights and batches")
-    for bound in (-100 * PARITY_TOL, 100 * PARITY_TOL):
-        rel.axhline(bound, color="gray", ls=":", lw=1)
-    rel.set(xlabel="step", ylabel="% vs eager", title=f"{PARITY_TAIL}-step moving mean relative to eager")
-    for ax in (curves, rel):
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def targets(
-    rows, duels=(), speedup: float = SPEEDUP_TARGET, compile_speedup: float = 1.0, memory_cut: float = 0.0
-) -> list[list[str]]:
-    """[target, measured, PASS/MISS] for each target the rows (separate runs, or one duel's steps) and
-    the duels (alternating steps) can answer: each patched config against eager (``speedup``; peak
-    memory lower, by at least ``memory_cut`` of eager's; loss parity), each compile+... config against
-    compile (``compile_speedup``). A duel passes where its 95% interval clears the target; against
-    compile at 1.0 the claim is "not slower", which holds unless the interval says so."""
+def speedups(rows: Sequence[dict], bases: Sequence[str]) -> None:
+    """``x_<base>`` in each row that ran: its tokens/s over the base config's, for each base that ran."""
     by = {r["config"]: r for r in rows if r["status"] == "ok"}
-    out = []
-
-    def add(target: str, measured: str, ok: Optional[bool]) -> None:
-        out.append([target, measured, "-" if ok is None else "PASS" if ok else "MISS"])
-
-    e = by.get("eager")
-    for name, p in by.items():
-        if e is None or not is_patched(name) or is_compiled(name):
-            continue
-        x = p["tokens_per_s"] / e["tokens_per_s"]
-        add(f"{name} >= {speedup}x eager tokens/s", f"{x:.3f}x", x >= speedup)
-        if e.get("peak_gib") is not None and p.get("peak_gib") is not None:
-            cut = 1.0 - p["peak_gib"] / e["peak_gib"]
-            peaks = f"{p['peak_gib']:.2f} vs {e['peak_gib']:.2f} GiB ({-100 * cut:+.1f}%)"
-            if memory_cut:
-                add(f"{name} peak memory >= {100 * memory_cut:.0f}% below eager's", peaks, cut >= memory_cut)
-            else:
-                add(f"{name} peak memory < eager", peaks, cut > 0)
-        rel = abs(p["final_loss"] - e["final_loss"]) / e["final_loss"]
-        add(
-            f"{name} loss parity, mean of last {PARITY_TAIL} steps, <= 1%",
-            f"{100 * rel:.2f}%",
-            rel <= PARITY_TOL,
-        )
-    for name, p in by.items():
-        if is_compiled(name) and name != "compile" and "compile" in by:
-            ratio = p["tokens_per_s"] / by["compile"]["tokens_per_s"]
-            add(f"{name} >= {compile_speedup}x compile tokens/s (separate runs)", f"{ratio:.4f}x",
-                ratio >= compile_speedup)  # fmt: skip
-    for d in duels:
-        out.append(_duel_target(d, speedup, compile_speedup))
-    return out
-
-
-def _duel_target(d: dict, speedup: float, compile_speedup: float) -> list[str]:
-    first, second = d["pair"]
-    x = 1.0 / d["ratio"]  # tokens/s of the second over the first
-    lo, hi = 1.0 / d["ratio_95"][1], 1.0 / d["ratio_95"][0]
-    share = d["second_faster"]
-    if is_patched(first) and not is_patched(second):  # stepped patched-first: read it the other way
-        first, second = second, first
-        x, lo, hi, share = d["ratio"], d["ratio_95"][0], d["ratio_95"][1], 1.0 - share
-    measured = f"{x:.4f}x (95%: {lo:.4f}-{hi:.4f}), faster in {100 * share:.0f}% of pairs"
-    if first == second:
-        return [f"control: two builds of {first} (no target)", measured, "-"]
-    if first == "eager":
-        return [
-            f"duel: {second} >= {speedup}x {first} tokens/s",
-            measured,
-            "PASS" if lo >= speedup else "MISS",
-        ]
-    if compile_speedup > 1.0:
-        target, ok = f"duel: {second} >= {compile_speedup}x {first} tokens/s", lo >= compile_speedup
-    else:  # the same graphs by design
-        target, ok = f"duel: {second} not slower than {first} (95% interval reaches 1)", hi >= 1.0
-    return [target, measured, "PASS" if ok else "MISS"]
+    for r in by.values():
+        for base in bases:
+            if base in by:
+                r[f"x_{base}"] = r["tokens_per_s"] / by[base]["tokens_per_s"]

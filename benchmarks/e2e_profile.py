@@ -8,11 +8,13 @@ bench_e2e_llama).
 - ``block_alone``: the model's own MLP module against its FusedMLP at the model's shape (one fp32
   (batch, seq, hidden) input under bf16 autocast, forward and autograd.grad of the input and every
   parameter), timed as bench_mlp times blocks (``dispatch.timing.compare``: GPU time by CUDA graph and
-  wall time, interleaved rounds), after an eval-mode check of their outputs against each other.
+  wall time, interleaved rounds), after an eval-mode check of their outputs against each other;
+  ``against_eager`` runs it where eager's block and another were kept.
 - ``amdahl``: the step speedup the two predict, 1 / (1 - s + s / b), s the blocks' share of the eager
   step and b the block's speedup alone; the duel measures the step's own. Agreement says the gain is
   the MLP's and nothing else moved; the in-situ prediction (eager's step less its blocks plus the
   patched blocks' in-situ time) separates "the block is slower in the model" from "the rest moved".
+  ``print_prediction`` prints them, a line per profiled config.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import e2e_common
 import torch
+from tabulate import tabulate
 from torch import nn
 
 from dispatch import timing
@@ -130,6 +133,16 @@ def block_alone(
     return out
 
 
+def against_eager(
+    blocks: dict[str, tuple[nn.Module, Optional[str]]], shape: tuple[int, ...], device, smoke: bool
+) -> dict[str, dict]:
+    """``block_alone`` of ``blocks`` where eager's and another were kept, else nothing; 20 ms an entry
+    and clock on a smoke run, 60 otherwise."""
+    if "eager" not in blocks or len(blocks) < 2:
+        return {}
+    return block_alone(blocks, shape, device, rep_ms=20.0 if smoke else 60.0)
+
+
 def amdahl(share: float, speedup: float) -> float:
     """The whole's speedup when a part taking ``share`` of the time runs ``speedup`` times faster."""
     return 1.0 / (1.0 - share + share / speedup)
@@ -168,3 +181,12 @@ def prediction(
         lines.append(line + [predicted, in_situ, x, how])
     heads = ["config", "step ms", "MLP fwd ms", "MLP bwd ms", "MLP % of step", "block alone ms"]
     return lines, heads + ["block x", "predicted x", "in-situ x", "measured x", "measured by"]
+
+
+def print_prediction(profile: dict, rows, duels, what: str) -> None:
+    """``prediction``'s table under ``what`` (the steps and clock it timed), where anything was
+    profiled; ``profile`` holds ``mlp_share`` and ``block_alone``."""
+    if profile["mlp_share"]:
+        lines, heads = prediction(profile["mlp_share"], profile["block_alone"], rows, duels)
+        print(f"\n{what}; predicted x = 1 / (1 - eager's share + share / block x)")
+        print(tabulate(lines, headers=heads, floatfmt=".4g", missingval="-"))
