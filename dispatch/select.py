@@ -120,11 +120,12 @@ def runner(key: tuple, spec: OpSpec) -> Callable[[OpCall], Tensor]:
 
 def kernels(call: Call, backend: Optional[str]) -> Kernels:
     """The kernels that serve ``call`` as a custom op of a compiled graph runs it. The graph drew the
-    spec's rngs, so where the decision names kernels that cannot take them (torch's masks on a
-    dropout call; a chaining backend's, which take a generator) the first able backend in
-    ``dispatch.backends.NAMES``' order whose kernels can serves it (the reference, eager)."""
+    spec's rngs and keeps the op's saved tensors, so where the decision names kernels that cannot
+    take them (torch's masks, whose composite keeps nothing for a backward of its own; a chaining
+    backend's, which take a generator) the first able backend in ``dispatch.backends.NAMES``' order
+    whose kernels can serves it (the reference, eager)."""
     found = decision(key(call, backend)).backend.kernels_for(call.op)
-    if found.masks == "spec" or (found.masks == "torch" and not call.dropout):
+    if found.masks == "spec":
         return found
     for name, why in _reasons(call, None, backends()).items():
         able = None if why else get(name).kernels_for(call.op)
@@ -172,7 +173,7 @@ def clear_cache() -> None:
 
 def cached_calls() -> list[Call]:
     """The calls decided (or given a runner) since the last ``clear_cache()``, each once."""
-    return list(dict.fromkeys(k[0] for k in (*_cache, *_impls)))
+    return list(dict.fromkeys(k[0] for k in (*tuple(_cache), *tuple(_impls))))  # copies: no lock
 
 
 def spec_masks(required: bool = True) -> None:

@@ -5,10 +5,11 @@ CPU, so there are two.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from dispatch import fused_bias_act_dropout, fused_linear, use_backend
+from dispatch import fused_bias_act_dropout, fused_linear, fused_mlp, use_backend
 from dispatch.select import cached_calls, clear_cache
 
 
@@ -159,19 +160,45 @@ def test_export_traces_both_ops(device):
             torch.testing.assert_close(program.module()(x_new), expected_new)
 
 
-def test_graph_traced_under_a_backend_runs_outside_it(device):
+@pytest.mark.parametrize("p", [0.5, 0.0])
+def test_graph_traced_under_a_backend_runs_outside_it(p, device):
     """A graph traced under use_backend("eager") holds the custom op with the spec's rng it drew; run
-    later outside, where the table (none here) picks pytorch, whose masks are torch's: the op runs
-    kernels that take the spec's rng instead, and backward drops exactly what forward dropped."""
+    later outside, where the table (none here) picks pytorch, whose composite keeps nothing for a
+    backward of its own: the op runs kernels that take the spec's rng instead, and backward drops
+    exactly what forward dropped."""
     x = torch.randn(16, 40, device=device, requires_grad=True)
     b = torch.randn(40, device=device)
-    compiled = torch.compile(lambda x, b: fused_bias_act_dropout(x, b, "gelu", 0.5), fullgraph=True)
+    compiled = torch.compile(lambda x, b: fused_bias_act_dropout(x, b, "gelu", p), fullgraph=True)
     with use_backend("eager"):
         compiled(x, b)
     y = compiled(x, b)
     (grad_x,) = torch.autograd.grad(y, x, torch.ones_like(y))
-    kept = y != 0
-    assert 0.3 < kept.float().mean().item() < 0.7
     z = (x + b).detach().double().requires_grad_()
     (slope,) = torch.autograd.grad(torch.nn.functional.gelu(z).sum(), z)
-    torch.testing.assert_close(grad_x.double(), kept * 2.0 * slope, rtol=1e-5, atol=1e-6)
+    if p:
+        kept = y != 0
+        assert 0.3 < kept.float().mean().item() < 0.7
+        slope = kept * slope / (1 - p)
+    torch.testing.assert_close(grad_x.double(), slope, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("p", [0.3, 0.0])
+def test_mlp_graph_traced_under_a_backend_runs_outside_it(p, device):
+    """The same for fused_mlp, training: its custom op keeps pre for backward, which pytorch's
+    composite does not give."""
+    x = torch.randn(6, 8, device=device, requires_grad=True)
+    w_in, w_out = torch.randn(24, 8, device=device), torch.randn(8, 12, device=device)
+    compiled = torch.compile(lambda x: fused_mlp(x, w_in, None, w_out, None, "swiglu", p), fullgraph=True)
+    with use_backend("eager"):
+        compiled(x)
+    y = compiled(x)
+    (grad_x,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    if not p:
+        xd = x.detach().double().requires_grad_()
+        gate, up = torch.nn.functional.linear(xd, w_in.double()).chunk(2, dim=-1)
+        want = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w_out.double())
+        (grad_want,) = torch.autograd.grad(want.sum(), xd)
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad_x.double(), grad_want, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.isfinite(grad_x).all() and grad_x.abs().sum() > 0

@@ -184,6 +184,20 @@ def test_gradcheck_with_both_dropouts(backend, device):
             dict(w_in=(torch.randn(6, 5), torch.randn(6, 5))),
             r"w_in may be a \(gate, up\) pair only for a gated",
         ),
+        # a bias pair with one half missing would drop that half's bias and gradient silently
+        (dict(b_in=(None, torch.randn(6))), r"b_in as a \(gate, up\) pair must hold two tensors"),
+        (
+            dict(activation="swiglu", w_in=(torch.randn(6, 5),) * 2, b_in=(torch.randn(6), None)),
+            r"b_in as a \(gate, up\) pair must hold two tensors",
+        ),
+        (
+            dict(activation="swiglu", w_in=(torch.randn(6, 5),) * 2, b_in=torch.randn(12)),
+            r"b_in must be a \(gate, up\) pair exactly when w_in is",
+        ),
+        (
+            dict(activation="swiglu", w_in=torch.randn(12, 5), b_in=(torch.randn(6),) * 2),
+            r"b_in must be a \(gate, up\) pair exactly when w_in is",
+        ),
     ],
 )
 def test_bad_input_names_the_argument(change, message):

@@ -250,16 +250,37 @@ def test_epilogue_variant_runs_its_kernels(device, variant, monkeypatch):
     x, w_in, w_up, b_in, b_up, w_out, b_out = tensors
     transposed = (x, w_in, w_up.t().contiguous().t(), b_in, b_up, w_out, b_out)
     assert_matches(transposed, "geglu", 0.3, 0.2)
-    assert "grad_hidden" not in calls
+    assert "grad_hidden" not in calls and "up" not in calls
 
 
 def test_epilogue_kernels_take_a_forced_config(device, variant):
     """matmul.options' config reaches the epilogue kernels too, warp-specialized tile loop included
     (the benchmarks' switch): the same results as the rule's tiles."""
-    forced = matmul.Config(16, 16, 16, num_warps=1, num_stages=1, group_m=1, warp_specialize=True)
+    # warp-specialized only under the interpreter: on the GPU tl.range's warp specialization is
+    # exercised by the real-size tests' configs, not by a 1-warp tile
+    forced = matmul.Config(16, 16, 16, num_warps=1, num_stages=1, group_m=1, warp_specialize=device == "cpu")
     tensors = _inputs("swiglu", False, True, F32, (21, 9, 24, 9), device)
     with matmul.options(config=forced):
         assert_matches(tensors, "swiglu", 0.3, 0.2)
+
+
+def test_epilogue_kernels_64_bit_offsets(device, monkeypatch):
+    """INDEX_64 (some tensor past 2**31 elements) takes 64-bit offsets in the main loops and the
+    epilogues: bit for bit the 32-bit kernels' results on the same small tensors."""
+    x = torch.randn(37, 24, device=device)
+    w, w_up = torch.randn(40, 24, device=device) / 5, torch.randn(40, 24, device=device) / 5
+    g, w_out = torch.randn(37, 19, device=device), torch.randn(19, 40, device=device) / 5
+    rng = dropout_rng.draw_for(x, torch.Generator(device=device).manual_seed(3), 37 * 40)
+
+    def run():
+        a, pre = torch.empty(37, 40, device=device), torch.empty(37, 80, device=device)
+        mlp_gemm.up(x, w, w_up, None, None, "silu", 0.3, rng, a, pre)
+        return (a, pre, *mlp_gemm.grad_hidden(g, w_out, pre, "silu", True, 0.3, rng, True, True, True))
+
+    small = run()
+    monkeypatch.setattr(matmul, "_extent", lambda shape, strides: 2**31)
+    for got, want in zip(run(), small):
+        assert torch.equal(got, want)
 
 
 # ----------------------------------------------------------------------------- inference

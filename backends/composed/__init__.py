@@ -6,7 +6,8 @@ Supports: fused_mlp, forward and backward; any device; float16, bfloat16, float3
 activation and gate. Dropout masks are the spec's (``dispatch.contracts.rng``), each drawn by its
 dropout sub-call from the caller's generator, which never runs on torch's RNG (pytorch) whatever
 ``spec_masks()`` says. Its sub-calls go where the table sends them, whatever ``use_backend()`` or
-``DISPATCH_BACKEND`` name. Not declared deterministic: a sub-call may land on a backend that is not
+``DISPATCH_BACKEND`` name; a calibration times them as routed by the table loaded when it started
+(the chain the run's own new entries would pick is timed by the next run). Not declared deterministic: a sub-call may land on a backend that is not
 (inductor). Under torch.compile it traces as the block's math, as the ops it chains do.
 """
 

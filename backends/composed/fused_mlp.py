@@ -26,7 +26,7 @@ from dispatch.contracts.activations import GATES
 from dispatch.contracts.backend import Kernels
 from dispatch.ops import bias_act_dropout as bias_act_dropout_spec
 from dispatch.ops import fused_linear as linear_spec
-from dispatch.ops.fused_mlp_math import Block
+from dispatch.ops.fused_mlp_math import Block, gate_halves
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
@@ -42,15 +42,10 @@ def _dropout(t: Tensor, p: float, generator: Optional[torch.Generator]) -> Tenso
 
 def _hidden(b: Block) -> Tensor:
     """act(x @ W_in^T + b_in), or act(gate) * up: (M, F)."""
-    if b.activation not in GATES:
-        return _linear(b.x, b.w_in, b.b_in, b.activation)
-    if b.w_up is None:  # stacked [gate; up]: its row halves
-        f = b.w_in.shape[0] // 2
-        w_gate, w_up = b.w_in[:f], b.w_in[f:]
-        b_gate, b_up = (None, None) if b.b_in is None else (b.b_in[:f], b.b_in[f:])
-    else:
-        w_gate, w_up, b_gate, b_up = b.w_in, b.w_up, b.b_in, b.b_up
-    return _linear(b.x, w_gate, b_gate, GATES[b.activation]) * _linear(b.x, w_up, b_up, "identity")
+    w, w_up, bias, bias_up = gate_halves(b)
+    if w_up is None:
+        return _linear(b.x, w, bias, b.activation)
+    return _linear(b.x, w, bias, GATES[b.activation]) * _linear(b.x, w_up, bias_up, "identity")
 
 
 def forward(b: Block, rngs: tuple) -> tuple[Tensor, tuple]:

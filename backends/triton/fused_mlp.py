@@ -38,7 +38,7 @@ from torch import Tensor
 from dispatch.backends.triton import bias_act_dropout, gate, mlp_gemm
 from dispatch.contracts.activations import GATES
 from dispatch.contracts.backend import Kernels
-from dispatch.ops.fused_mlp import Block
+from dispatch.ops.fused_mlp_math import Block, gate_halves
 
 VARIANTS = ("passes", "epilogues")
 DEFAULT_VARIANT = "passes"  # until bench_mlp --variants measures "epilogues" on the GPU
@@ -59,15 +59,12 @@ def options(variant: Optional[str] = None) -> Iterator[None]:
 
 def _variant(b: Block) -> bool:
     """Whether this call's products run with the epilogues: asked for, and operands they serve (no
-    empty dims, a pair's weights of one layout, biases of unit stride); "passes" otherwise."""
+    empty dims, a pair's weights of one layout; the spec's biases are contiguous); "passes" otherwise.
+    ``options`` is process-wide (benchmarks, tests): a forward and its backward may run different
+    variants, which give the same gradients."""
     if (_chosen[0] or DEFAULT_VARIANT) != "epilogues":
         return False
-    biases = (t for t in (b.b_in, b.b_up, b.b_out) if t is not None)
-    return (
-        min(*b.x.shape, *b.w_out.shape) > 0
-        and (b.w_up is None or b.w_up.stride() == b.w_in.stride())
-        and all(t.stride(0) == 1 for t in biases)
-    )
+    return min(*b.x.shape, *b.w_out.shape) > 0 and (b.w_up is None or b.w_up.stride() == b.w_in.stride())
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
@@ -100,20 +97,9 @@ def forward(b: Block, rngs: tuple) -> tuple[Tensor, tuple[Tensor]]:
     return y, (pre,)
 
 
-def _gate_halves(b: Block) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """(w, w_up, b, b_up) of the first projection: a gate's halves as views (stacked) or the pair."""
-    if b.activation not in GATES:
-        return b.w_in, None, b.b_in, None
-    if b.w_up is not None:
-        return b.w_in, b.w_up, b.b_in, b.b_up
-    f = b.w_in.shape[0] // 2
-    bias = (None, None) if b.b_in is None else (b.b_in[:f], b.b_in[f:])
-    return b.w_in[:f], b.w_in[f:], *bias
-
-
 def _forward_epilogues(b: Block, rngs: tuple, keep_pre: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
     """The products on Triton with the hidden layer's work (and the output dropout) in their epilogues."""
-    w, w_up, bias, bias_up = _gate_halves(b)
+    w, w_up, bias, bias_up = gate_halves(b)
     m, f = b.x.shape[0], w.shape[0]
     pre = b.x.new_empty((m, 2 * f if w_up is not None else f)) if keep_pre else None
     a = b.x.new_empty((m, f))

@@ -1,5 +1,6 @@
 """C = act(A @ B + bias) in Triton: fused_linear's product for calls without autograd (``infer``),
-and the rule that picks each launch's tiles.
+the rule that picks each launch's tiles, and the persistent main loop (``tile_product``, one or two
+accumulators) that mlp_gemm.py's epilogue kernels share.
 
 A (M, K) and B (K, N) are views with any strides (x and W^T); C is a new row-major (M, N) tensor;
 products accumulate in float32. The epilogue adds the bias (when given) and applies the activation,

@@ -60,7 +60,7 @@ def _drop_scale(seed, offset, rows, off_n, N, threshold, scale,
     """(BLOCK_M, BLOCK_N) keep * scale of the spec's mask over the (M, N) view: scale or 0."""
     groups = off_n // 8 + tl.arange(0, BLOCK_N // 8)
     keep = keep_mask(seed, offset, rows, groups, tl.arange(0, 8), N, threshold, GROUPED)
-    return tl.reshape(tl.where(keep, scale, 0.0), (BLOCK_M, BLOCK_N))
+    return tl.where(tl.reshape(keep, (BLOCK_M, BLOCK_N)), scale, 0.0)  # 1 B an element reshaped
 
 
 @triton.jit(do_not_specialize=["M", "threshold", "seed_lo", "seed_hi", "offset_lo", "offset_hi"])
@@ -73,20 +73,41 @@ def _up_kernel(
     BIAS,  # (N,) b, read with HAS_BIAS
     BIAS_UP,  # (N,) b_up, read with GATED and HAS_BIAS
     RNG,  # int64 [seed, offset] with RNG_ON_DEVICE; unused without DROPOUT
-    seed_lo, seed_hi, offset_lo, offset_hi,  # int32 words of a host (seed, offset)
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn,  # pointer strides (unused with USE_TMA)
+    seed_lo,  # int32 words of a host (seed, offset), without RNG_ON_DEVICE
+    seed_hi,
+    offset_lo,
+    offset_hi,
+    M,  # rows of x and a
+    N,  # columns of a: hidden features
+    K,  # x's columns: the reduction
+    stride_am,  # x's strides (pointer loads; 0 with USE_TMA)
+    stride_ak,
+    stride_bk,  # W^T's strides, W_up^T's too (pointer loads; 0 with USE_TMA)
+    stride_bn,
     stride_pm,  # PRE's row stride
     stride_om,  # OUT's row stride
     threshold,  # 16-bit drop threshold T
     scale,  # float32 65536 / (65536 - T)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, USE_TMA: tl.constexpr, A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
-    ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr,
-    DROPOUT: tl.constexpr, RNG_ON_DEVICE: tl.constexpr, GROUPED: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,  # persistent programs: SMs x CTAs per SM
+    USE_TMA: tl.constexpr,  # A, B, B_UP are TMA descriptors
+    A_KMAJOR: tl.constexpr,
+    B_KMAJOR: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # the activation, the gate's with GATED
+    GATED: tl.constexpr,  # a = act(gate) * up from two accumulators
+    HAS_BIAS: tl.constexpr,
+    STORE_PRE: tl.constexpr,  # write the rounded products for backward
+    DROPOUT: tl.constexpr,
+    RNG_ON_DEVICE: tl.constexpr,
+    GROUPED: tl.constexpr,  # N % 8 == 0: one Philox call per 8 elements of a row
+    INPUT_PRECISION: tl.constexpr,  # tl.dot's: "ieee" or "tf32" (float32 only)
+    INDEX_64: tl.constexpr,  # some tensor has >= 2**31 elements: 64-bit offsets
+    DOT_FP32: tl.constexpr,  # CPU interpreter + bfloat16: upcast before tl.dot
     WARP_SPECIALIZE: tl.constexpr,  # tl.range's warp specialization of the tile loop (Config)
-):  # fmt: skip
+):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if DROPOUT:
@@ -127,26 +148,48 @@ def _up_kernel(
 
 @triton.jit(do_not_specialize=["M", "threshold", "seed_lo", "seed_hi", "offset_lo", "offset_hi"])
 def _grad_kernel(
-    A,  # (M, K) G = grad of the down projection's output: descriptor with USE_TMA, else pointer
+    A,  # (M, K) G, the gradient of the down projection's output: descriptor with USE_TMA, else pointer
     B,  # (K, N) W_out, likewise
     PRE,  # (M, N), or (M, 2N) [gate | up] with GATED; row stride stride_pm, unit column stride
     GP,  # grad_pre, PRE's shape, contiguous: written with NEED_PRE
     A_OUT,  # (M, N) a as ``_up_kernel`` made it, contiguous: written with NEED_A
     PARTIALS,  # (row tiles, P) float32 column sums of grad_pre: written with NEED_BIAS
-    RNG,
-    seed_lo, seed_hi, offset_lo, offset_hi,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn,
-    stride_pm,
-    threshold,
-    scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, USE_TMA: tl.constexpr, A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
-    ACTIVATION: tl.constexpr, GATED: tl.constexpr, NEED_PRE: tl.constexpr, NEED_A: tl.constexpr,
-    NEED_BIAS: tl.constexpr, DROPOUT: tl.constexpr, RNG_ON_DEVICE: tl.constexpr, GROUPED: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, DOT_FP32: tl.constexpr,
+    RNG,  # int64 [seed, offset] with RNG_ON_DEVICE; unused without DROPOUT
+    seed_lo,  # int32 words of a host (seed, offset), without RNG_ON_DEVICE
+    seed_hi,
+    offset_lo,
+    offset_hi,
+    M,  # rows
+    N,  # hidden features F; P = 2N columns of PRE with GATED, else N
+    K,  # G's columns: the reduction (H_out)
+    stride_am,  # G's strides (pointer loads; 0 with USE_TMA)
+    stride_ak,
+    stride_bk,  # W_out's strides (pointer loads; 0 with USE_TMA)
+    stride_bn,
+    stride_pm,  # PRE's row stride
+    threshold,  # 16-bit drop threshold T
+    scale,  # float32 65536 / (65536 - T)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,  # persistent programs: SMs x CTAs per SM
+    USE_TMA: tl.constexpr,  # A, B are TMA descriptors
+    A_KMAJOR: tl.constexpr,
+    B_KMAJOR: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # the activation, the gate's with GATED
+    GATED: tl.constexpr,  # grad_gate = g * up * act'(gate), grad_up = g * act(gate)
+    NEED_PRE: tl.constexpr,  # write grad_pre
+    NEED_A: tl.constexpr,  # write a
+    NEED_BIAS: tl.constexpr,  # write grad_pre's column sums over each row tile
+    DROPOUT: tl.constexpr,
+    RNG_ON_DEVICE: tl.constexpr,
+    GROUPED: tl.constexpr,  # N % 8 == 0: one Philox call per 8 elements of a row
+    INPUT_PRECISION: tl.constexpr,  # tl.dot's: "ieee" or "tf32" (float32 only)
+    INDEX_64: tl.constexpr,  # some tensor has >= 2**31 elements: 64-bit offsets
+    DOT_FP32: tl.constexpr,  # CPU interpreter + bfloat16: upcast before tl.dot
     WARP_SPECIALIZE: tl.constexpr,  # tl.range's warp specialization of the tile loop (Config)
-):  # fmt: skip
+):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if GATED:
@@ -199,19 +242,24 @@ _UP_TMA = Launcher(_up_kernel, descriptors=3, tensors=5)
 _UP_POINTER = Launcher(_up_kernel, tensors=8)
 _GRAD_TMA = Launcher(_grad_kernel, descriptors=2, tensors=5)
 _GRAD_POINTER = Launcher(_grad_kernel, tensors=7)
-# Epilogues heavier than an activation's keep at most 128 columns a tile: a gate's two accumulators,
-# or grad's loads of pre, on 128 x 256 would need ~2x the 255 registers a thread has (not yet measured).
+# Epilogues heavier than an activation's (a gate's two accumulators, pre stored, a mask, grad's loads of
+# pre) keep at most 128 columns a tile: on 128 x 256 they would need ~2x the 255 registers a thread has
+# (not yet measured).
 EPILOGUE_BLOCK_N = 128
+GATED_STAGES = 3  # three operand streams, (BM + 2 BN) x BK a stage: 144 KiB at 128 x 128 x 64 bf16
 
 
-def _config(m: int, n: int, k: int, a: Tensor, heavy: bool) -> matmul.Config:
-    """matmul.py's tile rule, capped at EPILOGUE_BLOCK_N columns for heavy epilogues on the GPU."""
+def _config(m: int, n: int, k: int, a: Tensor, heavy: bool, gated: bool = False) -> matmul.Config:
+    """matmul.py's tile rule, capped at EPILOGUE_BLOCK_N columns for heavy epilogues and, for a gate,
+    one program an SM with GATED_STAGES stages (its shared memory), on the GPU."""
     if a.device.type != "cuda" or matmul._override.config is not None:  # interpreter, or forced
         return matmul.pick_config(m, n, k, a.dtype, a.device)
     table = matmul.CONFIGS_32 if a.dtype == torch.float32 else matmul.CONFIGS_16
-    if heavy:
-        table = tuple(c for c in table if c.block_n <= EPILOGUE_BLOCK_N) or tuple(
-            dataclasses.replace(c, block_n=EPILOGUE_BLOCK_N) for c in table[:1]
+    if heavy:  # every table has entries of at most 128 columns
+        table = tuple(c for c in table if c.block_n <= EPILOGUE_BLOCK_N)
+    if gated:
+        table = tuple(
+            dataclasses.replace(c, ctas_per_sm=1, num_stages=min(c.num_stages, GATED_STAGES)) for c in table
         )
     return matmul.best_config(m, n, table, matmul._sm_count(a.device))
 
@@ -228,6 +276,12 @@ def _operands(a: Tensor, bs: tuple[Tensor, ...], cfg: matmul.Config) -> tuple[tu
         *(matmul._descriptor(b, b_kmajor, 0, cfg.block_n, cfg.block_k) for b in bs),
     )
     return descs, dict(USE_TMA=True, A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor), True
+
+
+def _strides(tma: bool, a: Tensor, b: Tensor) -> tuple[int, int, int, int]:
+    """The pointer loads' strides of A and B; zeros under TMA, which reads none (no specialization on
+    strides it never uses, no extra compiled variants)."""
+    return (0, 0, 0, 0) if tma else (a.stride(0), a.stride(1), b.stride(0), b.stride(1))
 
 
 def _shared(a: Tensor, bs: tuple[Tensor, ...], outs: tuple[Tensor, ...], cfg: matmul.Config, m: int,
@@ -270,7 +324,8 @@ def up(
     (m, k), n = x.shape, w.shape[0]
     gated = w_up is not None
     bs = (w.t(), (w if w_up is None else w_up).t())  # B_UP is B again without a gate
-    cfg = _config(m, n, k, x, heavy=gated)
+    assert not gated or (b is None) == (b_up is None), "internal: a gate's biases come in pairs"
+    cfg = _config(m, n, k, x, heavy=gated or rng is not None or pre is not None, gated=gated)
     operands, layout, tma = _operands(x, bs, cfg)
     constexprs, grid = _shared(x, bs, (out,) if pre is None else (out, pre), cfg, m, n)
     (rng_t, s0, s1, o0, o1, threshold, scale), on_device = bias_act_dropout._dropout_args(x, p, rng)
@@ -278,8 +333,8 @@ def up(
     args = (
         *operands, out if pre is None else pre, out,
         out if b is None else b, out if b_up is None else b_up, rng_t, s0, s1, o0, o1, m, n, k,
-        x.stride(0), x.stride(1), b_t.stride(0), b_t.stride(1),
-        out.stride(0) if pre is None else pre.stride(0), out.stride(0), threshold, scale,
+        *_strides(tma, x, b_t), out.stride(0) if pre is None else pre.stride(0), out.stride(0),
+        threshold, scale,
     )  # fmt: skip
     (_UP_TMA if tma else _UP_POINTER)(
         (grid,),
@@ -329,7 +384,7 @@ def grad_hidden(
     args = (
         *operands, pre, pre if grad_pre is None else grad_pre, pre if a is None else a,
         pre if partials is None else partials, rng_t, s0, s1, o0, o1, m, n, k,
-        g.stride(0), g.stride(1), w_out.stride(0), w_out.stride(1), pre.stride(0), threshold, scale,
+        *_strides(tma, g, w_out), pre.stride(0), threshold, scale,
     )  # fmt: skip
     (_GRAD_TMA if tma else _GRAD_POINTER)(
         (grid,),

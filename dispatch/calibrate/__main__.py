@@ -56,7 +56,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add(
         "--features",
         nargs="+",
-        help="feature sizes, the op's dims after M: N for bias_act_dropout, N,K for fused_linear",
+        help="feature sizes, the op's dims after M: N (bias_act_dropout), N,K (fused_linear), H,F (fused_mlp)",
     )
     add("--tokens", nargs="+", type=int, help="the coarse grid of token counts M")
     add("--out", help="default: <user dir>/<device slug>.json, the first place lookup looks")

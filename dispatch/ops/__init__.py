@@ -95,7 +95,8 @@ class Dispatcher(Protocol):
     def run_by_table(self, spec: OpSpec, c: OpCall) -> Tensor:
         """``run`` with the backend the table picks, whatever ``use_backend()`` or ``DISPATCH_BACKEND``
         name (they named the chaining backend), and dropout on the spec's masks, as under
-        ``spec_masks()``: the call of an op that another op's backend makes."""
+        ``spec_masks()``: the call of an op that another op's backend makes. Under torch.compile it
+        traces as ``run`` with no backend does (math, inductor's RNG)."""
         ...
 
     def kernels(self, call: Call, backend: Optional[str]) -> Any: ...

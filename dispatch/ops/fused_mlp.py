@@ -15,7 +15,6 @@ import math
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dispatch import ops
@@ -26,7 +25,9 @@ from dispatch.contracts.backend import Call, Kernels
 from dispatch.contracts.op import (
     Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads, torch_keep,
 )  # fmt: skip
-from dispatch.ops.fused_mlp_math import BASELINE_KERNELS, TENSORS, Block, baseline, cast, reference
+from dispatch.ops.fused_mlp_math import (
+    BASELINE_KERNELS, TENSORS, Block, baseline, cast, composite_runner, reference,
+)  # fmt: skip
 
 __all__ = ["TENSORS", "Block", "FusedMLPCall", "fused_mlp", "parse", "reference"]
 
@@ -97,8 +98,11 @@ def parse(
         f = in_shape[0] // 2
     else:
         f = in_shape[0]
+    bias_pair = isinstance(b_in, (tuple, list))
     b_in, b_up = _pair("b_in", b_in)
-    if (b_up is None) != (w_up is None) and b_in is not None:
+    if bias_pair and (b_in is None) != (b_up is None):
+        raise ValueError("b_in as a (gate, up) pair must hold two tensors (or be None: no bias)")
+    if b_in is not None and (b_up is None) != (w_up is None):
         raise ValueError("b_in must be a (gate, up) pair exactly when w_in is")
     b_in = checks.check_bias("b_in", b_in, in_shape[0], dtype, device)
     b_up = checks.check_bias("b_up", b_up, f, dtype, device)
@@ -155,7 +159,7 @@ class FusedMLP(torch.autograd.Function):
 def runner(kernels: Kernels, call: Call) -> Callable[[FusedMLPCall], Tensor]:
     """How calls like ``call`` run on ``kernels``, chosen once per decision."""
     if kernels is BASELINE_KERNELS:
-        return _composite(call)
+        return composite_runner(call)
     spec_masks = kernels.masks == "spec"
 
     def draw(c: FusedMLPCall) -> tuple:
@@ -182,32 +186,6 @@ def runner(kernels: Kernels, call: Call) -> Callable[[FusedMLPCall], Tensor]:
         return y if c.flat else y.view(c.out_shape)
 
     return with_function
-
-
-def _composite(call: Call) -> Callable[[FusedMLPCall], Tensor]:
-    """The baseline as a user writes it, no frames between the call and torch's ops (13.5 -> 10 us over
-    a 24 us composite on a CPU); a (gate, up) pair or a generator takes ``baseline`` itself."""
-    gated = call.activation in GATES
-    act = ACTIVATIONS[GATES.get(call.activation, call.activation)].forward
-    linear, dropout = F.linear, F.dropout
-
-    def composite(c: FusedMLPCall) -> Tensor:
-        b = c.block
-        if b.w_up is not None or c.generator is not None:
-            y = baseline(b, c.generator)
-        else:
-            pre = linear(b.x, b.w_in, b.b_in)
-            if gated:
-                gate, up = pre.chunk(2, dim=-1)
-                a = act(gate) * up
-            else:
-                a = act(pre)
-            y = linear(dropout(a, b.p) if b.p else a, b.w_out, b.b_out)
-            if b.p_out:
-                y = dropout(y, b.p_out)
-        return y if c.flat else y.view(c.out_shape)
-
-    return composite
 
 
 # ----------------------------------------------------------------------------- torch.compile

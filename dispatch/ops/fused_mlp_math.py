@@ -14,7 +14,7 @@ from torch import Tensor
 
 from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import ACTIVATIONS, GATES
-from dispatch.contracts.backend import composite_kernels
+from dispatch.contracts.backend import Call, composite_kernels
 from dispatch.contracts.op import torch_keep
 
 TENSORS = ("x", "w_in", "w_up", "b_in", "b_up", "w_out", "b_out")  # a Block's tensors, in order
@@ -60,6 +60,18 @@ def project_in(x: Tensor, b: Block, dtype: Optional[torch.dtype] = None) -> Tens
     return torch.cat([pre, F.linear(cast(x), cast(b.w_up), cast(b.b_up))], dim=-1)
 
 
+def gate_halves(b: Block) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(w, w_up, b, b_up) of the first projection: a gate's halves, views of the stacked [gate; up]
+    weight and bias or the pair as given; (w_in, None, b_in, None) for a plain activation."""
+    if b.activation not in GATES:
+        return b.w_in, None, b.b_in, None
+    if b.w_up is not None:
+        return b.w_in, b.w_up, b.b_in, b.b_up
+    f = b.w_in.shape[0] // 2
+    bias = (None, None) if b.b_in is None else (b.b_in[:f], b.b_in[f:])
+    return b.w_in[:f], b.w_in[f:], *bias
+
+
 def activate(pre: Tensor, activation: str) -> Tensor:
     """act(pre), or act(gate) * up for a gate."""
     if activation in GATES:
@@ -98,6 +110,33 @@ def _torch_dropout(t: Tensor, p: float, generator: Optional[torch.Generator]) ->
     if generator is None:
         return F.dropout(t, p, training=True)
     return t * torch_keep(t.shape, t.dtype, t.device, p, generator) * (1.0 / (1.0 - p))
+
+
+def composite_runner(call: Call) -> Callable[[Any], Tensor]:
+    """The pytorch backend's runner: the baseline as a user writes it, no frames between the call and
+    torch's ops (13.5 -> 10 us over a 24 us composite on a CPU); a (gate, up) pair or a generator
+    takes ``baseline`` itself."""
+    gated = call.activation in GATES
+    act = ACTIVATIONS[GATES.get(call.activation, call.activation)].forward
+    linear, dropout = F.linear, F.dropout
+
+    def composite(c: Any) -> Tensor:  # a FusedMLPCall
+        b = c.block
+        if b.w_up is not None or c.generator is not None:
+            y = baseline(b, c.generator)
+        else:
+            pre = linear(b.x, b.w_in, b.b_in)
+            if gated:
+                gate, up = pre.chunk(2, dim=-1)
+                a = act(gate) * up
+            else:
+                a = act(pre)
+            y = linear(dropout(a, b.p) if b.p else a, b.w_out, b.b_out)
+            if b.p_out:
+                y = dropout(y, b.p_out)
+        return y if c.flat else y.view(c.out_shape)
+
+    return composite
 
 
 def _baseline_backward(grad_y: Tensor, b: Block, rngs: tuple, saved: tuple, needs: tuple) -> tuple:
