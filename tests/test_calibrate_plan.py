@@ -100,6 +100,26 @@ def test_the_winner_is_the_cheapest_by_max_of_gpu_time_and_host_cost():
     assert [s["backend"] for s in plan.fit(points)] == ["fast"]
 
 
+@pytest.mark.parametrize(
+    "winners, starts",
+    [
+        (("pytorch", "fast"), [1, 16]),  # PyTorch at 4 keeps the gap up to 'fast''s measured 16
+        (("fast", "pytorch"), [1, 5]),  # and from just past 'fast''s measured 4
+        (("eager", "fast"), [1, 8]),  # between two others: the geometric middle
+    ],
+)
+def test_plain_pytorch_keeps_the_unmeasured_gaps_it_borders(winners, starts):
+    """Where the winner changes between two measured points, the boundary is a guess: where plain
+    PyTorch wins one side, no call in the gap is routed off it on that guess."""
+
+    def pt(m, winner):
+        times = {n: 100.0 if n == winner else 200.0 for n in ("pytorch", "eager", "fast")}
+        return {"m": m, "gpu_us": times, "host_us": dict(times), "err": {}}
+
+    segments = plan.fit([pt(4, winners[0]), pt(16, winners[1])])
+    assert [(s["m_from"], s["backend"]) for s in segments] == list(zip(starts, winners))
+
+
 def test_a_series_host_cost_is_its_median_and_one_host_sample_drops_no_backend():
     """Each backend's host cost over a series is the median of its samples (an estimated or drained
     entry's reading is no sample); a backend dearer than the cheapest by a
