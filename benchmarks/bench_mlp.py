@@ -19,6 +19,9 @@ forward+backward (a training step: autograd.grad of x and every weight; the defa
                 printed with the registry's reason); a gate's weight one stacked (2F, H) copy, gate rows
                 first, or with --gate-pair the module's own (gate, up) pair (as a patched model passes)
   mlp/dispatch  fused_mlp choosing for itself (its pick in the "picked" column)
+  mlp/triton+epilogues  triton's "epilogues" variant (mlp_gemm.py), forward and backward
+  compile+mlp/triton    torch.compile of fused_mlp(backend="triton"): one opaque custom op, against
+                "compile" the evidence for where fused_mlp should trace as what under compile
   liger         Liger-Kernel's LigerSwiGLUMLP (swiglu) or LigerGEGLUMLP (geglu_tanh) on the module's
                 own Linears, where liger_kernel imports (on the device: its wheel carried in .whl/,
                 installed by device_run.sh's install stage; it needs only torch and triton)
@@ -136,7 +139,7 @@ def wide_table(rows: list[dict], device) -> tuple[list[list], list[str]]:
     speedups, its time over the floor, and the saved MiB of pytorch and that backend."""
     clock = "gpu" if device.type == "cuda" else "wall"
     names = [n for n in common.entry_names(rows) if any(r.get(f"{clock}_us:{n}") for r in rows)]
-    order = ("pytorch", "compile", "composed", "mlp/", "liger", FLOOR)
+    order = ("pytorch", "compile", "composed", "mlp/", "compile+", "liger", FLOOR)
     names.sort(key=lambda n: next(i for i, o in enumerate((*order, "")) if n.startswith(o)))
     lines = []
     for r in rows:

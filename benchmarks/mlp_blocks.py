@@ -204,6 +204,10 @@ def entries(models: Models, p: float, training: bool, backends: list[str]) -> di
     if "triton" in backends:  # the variant with the passes in the GEMMs' epilogues
         fn = mlp(w, act, p, training, "triton")
         out["mlp/triton+epilogues"] = Entry(fn, w.present, w.pair, epilogues)
+        # under torch.compile with a backend named the block is one opaque custom op: against
+        # "compile" (inductor's own graph of the module) this decides where fused_mlp traces as what
+        opaque = torch.compile(mlp(w, act, p, training, "triton"), fullgraph=True, dynamic=False)
+        out["compile+mlp/triton"] = Entry(opaque, w.present, w.pair)
     if models.liger is not None and p == 0:
         out["liger"] = Entry(models.liger, own, True)
     return out
