@@ -108,3 +108,13 @@ def test_budget_spent_is_in_the_verdict(capsys, monkeypatch, clean_cache):
         ": 13/13 run groups (backend x op x dtype) pass; 11 groups not run (slow: budget, not supported); "
         "1 group cut short by the budget (slow: budget)"
     )
+
+
+def test_pytorch_backend_passes_in_every_dtype(capsys, clean_cache):
+    """pytorch's dropout is torch's: its parity reference replays torch's mask with F.dropout's scale
+    1 / (1 - p), not the spec's 65536 / (65536 - T) (2**-16 apart: float64 failed by 5e4x)."""
+    assert parity.main(["--quick", "--backends", "pytorch"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    for op in ("bias_act_dropout", "fused_linear", "fused_mlp"):
+        assert any(line.split()[:3] == ["pytorch", op, "float64"] and line.rstrip().endswith("PASS")
+                   for line in out.splitlines()), op  # fmt: skip

@@ -173,3 +173,9 @@ def torch_keep(shape: Sequence[int], dtype: torch.dtype, device: torch.device, p
     """The mask the baseline draws from a caller's generator: bernoulli(1 - p) in the output's dtype,
     in logical order whatever x's strides; a generator seeded alike replays it (parity checks do)."""
     return torch.empty(tuple(shape), dtype=dtype, device=device).bernoulli_(1.0 - p, generator=generator)
+
+
+def torch_keep_scale(p: float) -> float:
+    """F.dropout's factor on the elements torch's mask keeps, 1 / (1 - p) (0 at p = 1: all dropped);
+    the spec's is ``rng.keep_scale``, 65536 / (65536 - T), which differs by up to 2**-16 relative."""
+    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)

@@ -17,7 +17,7 @@ from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS
 from dispatch.contracts.backend import Call, Kernels, composite_kernels
 from dispatch.contracts.op import (
-    Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads, torch_keep,
+    Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads, torch_keep, torch_keep_scale,
 )  # fmt: skip
 from dispatch.contracts.rng import Rng
 
@@ -95,18 +95,19 @@ def reference(
     keep: Optional[Tensor] = None,
 ) -> Tensor:
     """The definition, differentiable, on (..., N) inputs; float64 when ``upcast``, else x's dtype.
-    The mask is the spec's for ``rng``, or ``keep`` (a mask another RNG drew)."""
+    The mask is the spec's for ``rng`` (its scale), or ``keep``, torch's (F.dropout's 1 / (1 - p))."""
     n = x.shape[-1]
     dtype = torch.float64 if upcast else x.dtype
     z = x.reshape(-1, n).to(dtype)
     if bias is not None:
         z = z + bias.to(dtype)
     y = ACTIVATIONS[activation].forward(z)
+    scale = dropout_rng.keep_scale(p) if keep is None else torch_keep_scale(p)  # the mask's own RNG's
     if keep is None and rng is not None:
         keep = dropout_rng.keep_mask(rng, z.shape[0], n, p, z.device)
     if keep is not None:
         # F.dropout's product: a dropped NaN or inf gives NaN, a dropped finite value 0
-        y = y * keep.reshape(y.shape) * dropout_rng.keep_scale(p)
+        y = y * keep.reshape(y.shape) * scale
     return y.reshape(x.shape)
 
 

@@ -15,7 +15,7 @@ from torch import Tensor
 from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import ACTIVATIONS, GATES
 from dispatch.contracts.backend import Call, composite_kernels
-from dispatch.contracts.op import torch_keep
+from dispatch.contracts.op import torch_keep, torch_keep_scale
 
 TENSORS = ("x", "w_in", "w_up", "b_in", "b_up", "w_out", "b_out")  # a Block's tensors, in order
 
@@ -83,12 +83,12 @@ def activate(pre: Tensor, activation: str) -> Tensor:
 def reference(b: Block, rngs: tuple[Any, Any] = (None, None), upcast: bool = False,
               keeps: tuple[Optional[Tensor], Optional[Tensor]] = (None, None)) -> Tensor:  # fmt: skip
     """The definition, differentiable, on the block's (M, H) rows; float64 when ``upcast``. The masks
-    are the spec's for ``rngs``, or ``keeps`` (masks another RNG drew)."""
+    are the spec's for ``rngs`` (its scale), or ``keeps``, torch's (F.dropout's 1 / (1 - p))."""
     dtype = torch.float64 if upcast else b.x.dtype
     a = activate(project_in(b.x, b, dtype), b.activation)
-    a = drop(a, b.p, rngs[0], keeps[0])
+    a = drop(a, b.p, rngs[0]) if keeps[0] is None else a * keeps[0] * torch_keep_scale(b.p)
     y = F.linear(a, b.w_out.to(dtype), None if b.b_out is None else b.b_out.to(dtype))
-    return drop(y, b.p_out, rngs[1], keeps[1])
+    return drop(y, b.p_out, rngs[1]) if keeps[1] is None else y * keeps[1] * torch_keep_scale(b.p_out)
 
 
 def drop(t: Tensor, p: float, rng: Any, keep: Optional[Tensor] = None) -> Tensor:
