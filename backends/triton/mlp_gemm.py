@@ -24,7 +24,6 @@ persistent.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -242,24 +241,35 @@ _UP_TMA = Launcher(_up_kernel, descriptors=3, tensors=5)
 _UP_POINTER = Launcher(_up_kernel, tensors=8)
 _GRAD_TMA = Launcher(_grad_kernel, descriptors=2, tensors=5)
 _GRAD_POINTER = Launcher(_grad_kernel, tensors=7)
-# Epilogues heavier than an activation's (a gate's two accumulators, pre stored, a mask, grad's loads of
-# pre) keep at most 128 columns a tile: on 128 x 256 they would need ~2x the 255 registers a thread has
-# (not yet measured).
-EPILOGUE_BLOCK_N = 128
-GATED_STAGES = 3  # three operand streams, (BM + 2 BN) x BK a stage: 144 KiB at 128 x 128 x 64 bf16
+# Tiles by epilogue (sm_90 builds, triton 3.9's ptxas, bf16, TMA; benchmarks/aot_sm90.py; registers a
+# thread at most 255):
+#   "heavy"  a gate's two accumulators, a dropout mask, or grad's loads of pre: 128 x 128 x 8 warps
+#            spilled 392-2640 B a thread, 128 x 64 and 64 x 128 x 8 warps (32 accumulator elements a
+#            thread) 0-256 B: the only tiles here.
+#   "light"  an activation, pre stored or not: matmul.py's table without its 128 x 256 entry (920 B
+#            spilled even without pre; 128 x 128 x 8 warps: 138 registers, 187 storing pre).
+HEAVY_CONFIGS_16 = (
+    matmul.Config(128, 64, 64, num_warps=8, num_stages=4),
+    matmul.Config(64, 128, 64, num_warps=8, num_stages=4),
+)
+HEAVY_CONFIGS_32 = (
+    matmul.Config(128, 64, 32, num_warps=8, num_stages=3),
+    matmul.Config(64, 128, 32, num_warps=8, num_stages=3),
+)
+LIGHT_BLOCK_N = 128
 
 
-def _config(m: int, n: int, k: int, a: Tensor, heavy: bool, gated: bool = False) -> matmul.Config:
-    """matmul.py's tile rule, capped at EPILOGUE_BLOCK_N columns for heavy epilogues and, for a gate,
-    one program an SM with GATED_STAGES stages (its shared memory), on the GPU."""
-    if a.device.type != "cuda" or matmul._override.config is not None:  # interpreter, or forced
+def _config(m: int, n: int, k: int, a: Tensor, heavy: bool) -> matmul.Config:
+    """The tile for a heavy or light epilogue (above) on the GPU; the interpreter's, or the one
+    matmul.options forces, elsewhere."""
+    if a.device.type != "cuda" or matmul._override.config is not None:
         return matmul.pick_config(m, n, k, a.dtype, a.device)
-    table = matmul.CONFIGS_32 if a.dtype == torch.float32 else matmul.CONFIGS_16
-    if heavy:  # every table has entries of at most 128 columns
-        table = tuple(c for c in table if c.block_n <= EPILOGUE_BLOCK_N)
-    if gated:
+    fp32 = a.dtype == torch.float32
+    if heavy:
+        table = HEAVY_CONFIGS_32 if fp32 else HEAVY_CONFIGS_16
+    else:  # every table has entries of at most 128 columns
         table = tuple(
-            dataclasses.replace(c, ctas_per_sm=1, num_stages=min(c.num_stages, GATED_STAGES)) for c in table
+            c for c in (matmul.CONFIGS_32 if fp32 else matmul.CONFIGS_16) if c.block_n <= LIGHT_BLOCK_N
         )
     return matmul.best_config(m, n, table, matmul._sm_count(a.device))
 
@@ -325,7 +335,7 @@ def up(
     gated = w_up is not None
     bs = (w.t(), (w if w_up is None else w_up).t())  # B_UP is B again without a gate
     assert not gated or (b is None) == (b_up is None), "internal: a gate's biases come in pairs"
-    cfg = _config(m, n, k, x, heavy=gated or rng is not None or pre is not None, gated=gated)
+    cfg = _config(m, n, k, x, heavy=gated or rng is not None)
     operands, layout, tma = _operands(x, bs, cfg)
     constexprs, grid = _shared(x, bs, (out,) if pre is None else (out, pre), cfg, m, n)
     (rng_t, s0, s1, o0, o1, threshold, scale), on_device = bias_act_dropout._dropout_args(x, p, rng)
