@@ -158,7 +158,7 @@ def _grad_kernel(
     seed_hi,
     offset_lo,
     offset_hi,
-    M,  # rows
+    M,  # rows of G, pre, grad_pre and a
     N,  # hidden features F; P = 2N columns of PRE with GATED, else N
     K,  # G's columns: the reduction (H_out)
     stride_am,  # G's strides (pointer loads; 0 with USE_TMA)
