@@ -73,6 +73,9 @@ class Point(TypedDict, total=False):
     rejected: dict[str, str]  # why a backend is no contender here (failed, not started, not checked)
     skipped: str  # why the point holds no timings (out of memory)
     ms: dict[str, float]  # schema 1: one clock, ms per call, in place of gpu_us and host_us
+    first_ms: dict[str, float]  # schema 1: the first timings, where they were taken again
+    confirmed_ms: dict[str, float]  # schema 1: the timings taken again
+    unchecked: list[str]  # schema 1: backends whose parity check did not run
 
 
 class Clocks(TypedDict):
