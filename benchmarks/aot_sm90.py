@@ -77,7 +77,8 @@ def main() -> None:
         table = mlp_gemm.HEAVY_CONFIGS_16 if epilogue == "heavy" else light
         for cfg in table:
             c = dict(shared, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated,
-                     DROPOUT=drop, ACTIVATION="silu" if gated else "gelu_tanh")  # fmt: skip
+                     DROPOUT=drop, ACTIVATION="silu" if gated else "gelu_tanh",
+                     EPILOGUE_SPLIT=cfg.epilogue_split)  # fmt: skip
             if kind == "up":
                 kernel = mlp_gemm._up_kernel
                 c.update(B_KMAJOR=True, HAS_BIAS=True, STORE_PRE=epilogue != "light")

@@ -253,12 +253,15 @@ def test_epilogue_variant_runs_its_kernels(device, variant, monkeypatch):
     assert "grad_hidden" not in calls and "up" not in calls
 
 
-def test_epilogue_kernels_take_a_forced_config(device, variant):
-    """matmul.options' config reaches the epilogue kernels too, warp-specialized tile loop included
-    (the benchmarks' switch): the same results as the rule's tiles."""
+@pytest.mark.parametrize("split", [1, 2])
+def test_epilogue_kernels_take_a_forced_config(device, variant, split):
+    """matmul.options' config reaches the epilogue kernels too, warp-specialized tile loop and the
+    epilogue split in column halves included (the benchmarks' switches): the same results as the
+    rule's tiles."""
     # warp-specialized only under the interpreter: on the GPU tl.range's warp specialization is
     # exercised by the real-size tests' configs, not by a 1-warp tile
-    forced = matmul.Config(16, 16, 16, num_warps=1, num_stages=1, group_m=1, warp_specialize=device == "cpu")
+    forced = matmul.Config(16, 16, 16, num_warps=1, num_stages=1, group_m=1, warp_specialize=device == "cpu",
+                           epilogue_split=split)  # fmt: skip
     tensors = _inputs("swiglu", False, True, F32, (21, 9, 24, 9), device)
     with matmul.options(config=forced):
         assert_matches(tensors, "swiglu", 0.3, 0.2)

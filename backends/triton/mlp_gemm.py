@@ -41,16 +41,9 @@ from dispatch.contracts.rng import Rng
 
 
 @triton.jit
-def _epilogue_tile(tile_c, num_pid_m, num_pid_n, M, N, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):  # fmt: skip
-    """Epilogue tile ``tile_c``'s (pid_m, first column, rows, rows as int64, columns, columns inside,
-    elements inside)."""
-    pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
-    off_n = pid_n * BLOCK_N
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = off_n + tl.arange(0, BLOCK_N)
-    in_n = cols < N
-    return pid_m, off_n, rows, rows.to(tl.int64), cols, in_n, (rows < M)[:, None] & in_n[None, :]
+def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A (BLOCK_M, BLOCK_N) tile's left and right (BLOCK_M, BLOCK_N / 2) column halves."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
 
 
 @triton.jit
@@ -60,6 +53,60 @@ def _drop_scale(seed, offset, rows, off_n, N, threshold, scale,
     groups = off_n // 8 + tl.arange(0, BLOCK_N // 8)
     keep = keep_mask(seed, offset, rows, groups, tl.arange(0, 8), N, threshold, GROUPED)
     return tl.where(tl.reshape(keep, (BLOCK_M, BLOCK_N)), scale, 0.0)  # 1 B an element reshaped
+
+
+@triton.jit
+def _up_epilogue(
+    acc,  # (BLOCK_M, BLOCK_N) float32 product x @ W^T of the tile (the gate's with GATED)
+    acc_up,  # the up projection's, with GATED
+    pid_m,  # the tile's row block
+    off_n,  # its first column
+    M,
+    N,
+    PRE,
+    OUT,
+    BIAS,
+    BIAS_UP,
+    stride_pm,
+    stride_om,
+    seed,  # the mask's Philox key and first counter, with DROPOUT
+    offset,
+    threshold,
+    scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # this epilogue's columns: the tile's, or half of them
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    GROUPED: tl.constexpr,
+):
+    """``_up_kernel``'s epilogue on (BLOCK_M, BLOCK_N) columns from ``off_n``: pre stored, a written."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    rows64 = rows.to(tl.int64)
+    in_n = cols < N
+    mask = (rows < M)[:, None] & in_n[None, :]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
+    z = acc.to(OUT.dtype.element_ty)  # pre, rounded once as the product's output
+    pre_ptrs = PRE + (rows64 * stride_pm)[:, None] + cols[None, :]
+    if STORE_PRE:
+        tl.store(pre_ptrs, z, mask=mask)
+    if GATED:
+        if HAS_BIAS:
+            acc_up += tl.load(BIAS_UP + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
+        up = acc_up.to(OUT.dtype.element_ty)
+        if STORE_PRE:
+            tl.store(pre_ptrs + N, up, mask=mask)
+        a = apply(z.to(tl.float32), ACTIVATION) * up.to(tl.float32)
+    else:
+        a = apply(z.to(tl.float32), ACTIVATION)
+    if DROPOUT:  # a * keep * scale as F.dropout: a dropped NaN or inf gives NaN
+        a = a * _drop_scale(seed, offset, rows, off_n, N, threshold, scale, BLOCK_M, BLOCK_N, GROUPED)
+    out_ptrs = OUT + (rows64 * stride_om)[:, None] + cols[None, :]
+    tl.store(out_ptrs, a.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "threshold", "seed_lo", "seed_hi", "offset_lo", "offset_hi"])
@@ -106,9 +153,11 @@ def _up_kernel(
     INDEX_64: tl.constexpr,  # some tensor has >= 2**31 elements: 64-bit offsets
     DOT_FP32: tl.constexpr,  # CPU interpreter + bfloat16: upcast before tl.dot
     WARP_SPECIALIZE: tl.constexpr,  # tl.range's warp specialization of the tile loop (Config)
+    EPILOGUE_SPLIT: tl.constexpr,  # 1, or 2: the epilogue runs on each half of the tile's columns
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
+    seed, offset = 0, 0  # the mask's (seed, offset) with DROPOUT
     if DROPOUT:
         seed, offset = seed_offset(RNG, seed_lo, seed_hi, offset_lo, offset_hi, RNG_ON_DEVICE)
     tile_c = tl.program_id(0) - NUM_PROGRAMS  # the epilogue's own counter, as matmul.py's
@@ -121,28 +170,86 @@ def _up_kernel(
             BLOCK_N, BLOCK_K, USE_TMA, A_KMAJOR, B_KMAJOR, GATED, INPUT_PRECISION, INDEX_64, DOT_FP32,
         )  # fmt: skip
         tile_c += NUM_PROGRAMS
-        pid_m, off_n, rows, rows64, cols, in_n, mask = _epilogue_tile(
-            tile_c, num_pid_m, num_pid_n, M, N, GROUP_M, BLOCK_M, BLOCK_N
-        )
-        if HAS_BIAS:
-            acc += tl.load(BIAS + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
-        z = acc.to(OUT.dtype.element_ty)  # pre, rounded once as the product's output
-        pre_ptrs = PRE + (rows64 * stride_pm)[:, None] + cols[None, :]
-        if STORE_PRE:
-            tl.store(pre_ptrs, z, mask=mask)
-        if GATED:
-            if HAS_BIAS:
-                acc_up += tl.load(BIAS_UP + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
-            up = acc_up.to(OUT.dtype.element_ty)
-            if STORE_PRE:
-                tl.store(pre_ptrs + N, up, mask=mask)
-            a = apply(z.to(tl.float32), ACTIVATION) * up.to(tl.float32)
+        pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
+        if EPILOGUE_SPLIT == 2:  # two (BLOCK_M, BLOCK_N / 2) epilogues: half the live registers
+            acc_lo, acc_hi = _halves(acc, BLOCK_M, BLOCK_N)
+            up_lo, up_hi = _halves(acc_up, BLOCK_M, BLOCK_N)
+            _up_epilogue(
+                acc_lo, up_lo, pid_m, pid_n * BLOCK_N, M, N, PRE, OUT, BIAS, BIAS_UP, stride_pm, stride_om,
+                seed, offset, threshold, scale, BLOCK_M, BLOCK_N // 2, ACTIVATION, GATED, HAS_BIAS,
+                STORE_PRE, DROPOUT, GROUPED,
+            )  # fmt: skip
+            _up_epilogue(
+                acc_hi, up_hi, pid_m, pid_n * BLOCK_N + BLOCK_N // 2, M, N, PRE, OUT, BIAS, BIAS_UP,
+                stride_pm, stride_om, seed, offset, threshold, scale, BLOCK_M, BLOCK_N // 2, ACTIVATION,
+                GATED, HAS_BIAS, STORE_PRE, DROPOUT, GROUPED,
+            )  # fmt: skip
         else:
-            a = apply(z.to(tl.float32), ACTIVATION)
-        if DROPOUT:  # a * keep * scale as F.dropout: a dropped NaN or inf gives NaN
-            a = a * _drop_scale(seed, offset, rows, off_n, N, threshold, scale, BLOCK_M, BLOCK_N, GROUPED)
-        out_ptrs = OUT + (rows64 * stride_om)[:, None] + cols[None, :]
-        tl.store(out_ptrs, a.to(OUT.dtype.element_ty), mask=mask)
+            _up_epilogue(
+                acc, acc_up, pid_m, pid_n * BLOCK_N, M, N, PRE, OUT, BIAS, BIAS_UP, stride_pm, stride_om,
+                seed, offset, threshold, scale, BLOCK_M, BLOCK_N, ACTIVATION, GATED, HAS_BIAS, STORE_PRE,
+                DROPOUT, GROUPED,
+            )  # fmt: skip
+
+
+@triton.jit
+def _grad_epilogue(
+    g,  # (BLOCK_M, BLOCK_N) float32 grad_a = G @ W_out of the tile
+    pid_m,  # the tile's row block
+    off_n,  # its first column
+    M,
+    N,
+    PRE,
+    GP,
+    A_OUT,
+    PARTIALS,
+    stride_pm,
+    seed,  # the mask's Philox key and first counter, with DROPOUT
+    offset,
+    threshold,
+    scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # this epilogue's columns: the tile's, or half of them
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    NEED_PRE: tl.constexpr,
+    NEED_A: tl.constexpr,
+    NEED_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    GROUPED: tl.constexpr,
+):
+    """``_grad_kernel``'s epilogue on (BLOCK_M, BLOCK_N) columns from ``off_n``."""
+    if GATED:
+        P = 2 * N
+    else:
+        P = N
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    rows64 = rows.to(tl.int64)
+    in_n = cols < N
+    mask = (rows < M)[:, None] & in_n[None, :]
+    pre_ptrs = PRE + (rows64 * stride_pm)[:, None] + cols[None, :]
+    z = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
+    drop = g  # keep * scale with DROPOUT (unused otherwise)
+    if DROPOUT:
+        drop = _drop_scale(seed, offset, rows, off_n, N, threshold, scale, BLOCK_M, BLOCK_N, GROUPED)
+    up = z  # the up half with GATED (unused otherwise)
+    if GATED:
+        up = tl.load(pre_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+    gz, gu, a = hidden_grads(g, z, up, drop, ACTIVATION, GATED, DROPOUT, NEED_A)
+    if NEED_A:
+        a_ptrs = A_OUT + (rows64 * N)[:, None] + cols[None, :]
+        tl.store(a_ptrs, a.to(A_OUT.dtype.element_ty), mask=mask)
+    if NEED_PRE:
+        gp_ptrs = GP + (rows64 * P)[:, None] + cols[None, :]
+        tl.store(gp_ptrs, gz.to(GP.dtype.element_ty), mask=mask)
+        if GATED:
+            tl.store(gp_ptrs + N, gu.to(GP.dtype.element_ty), mask=mask)
+    if NEED_BIAS:  # selected, not trusted to be 0: squared_relu'(3e38) * 0 = inf * 0 = NaN
+        sums_ptrs = PARTIALS + pid_m.to(tl.int64) * P + cols
+        tl.store(sums_ptrs, tl.sum(tl.where(mask, gz, 0.0), axis=0), mask=in_n)
+        if GATED:
+            tl.store(sums_ptrs + N, tl.sum(tl.where(mask, gu, 0.0), axis=0), mask=in_n)
 
 
 @triton.jit(do_not_specialize=["M", "threshold", "seed_lo", "seed_hi", "offset_lo", "offset_hi"])
@@ -188,13 +295,11 @@ def _grad_kernel(
     INDEX_64: tl.constexpr,  # some tensor has >= 2**31 elements: 64-bit offsets
     DOT_FP32: tl.constexpr,  # CPU interpreter + bfloat16: upcast before tl.dot
     WARP_SPECIALIZE: tl.constexpr,  # tl.range's warp specialization of the tile loop (Config)
+    EPILOGUE_SPLIT: tl.constexpr,  # 1, or 2: the epilogue runs on each half of the tile's columns
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    if GATED:
-        P = 2 * N
-    else:
-        P = N
+    seed, offset = 0, 0  # the mask's (seed, offset) with DROPOUT
     if DROPOUT:
         seed, offset = seed_offset(RNG, seed_lo, seed_hi, offset_lo, offset_hi, RNG_ON_DEVICE)
     tile_c = tl.program_id(0) - NUM_PROGRAMS  # the epilogue's own counter, as matmul.py's
@@ -207,31 +312,24 @@ def _grad_kernel(
             BLOCK_N, BLOCK_K, USE_TMA, A_KMAJOR, B_KMAJOR, False, INPUT_PRECISION, INDEX_64, DOT_FP32,
         )  # fmt: skip
         tile_c += NUM_PROGRAMS
-        pid_m, off_n, rows, rows64, cols, in_n, mask = _epilogue_tile(
-            tile_c, num_pid_m, num_pid_n, M, N, GROUP_M, BLOCK_M, BLOCK_N
-        )
-        pre_ptrs = PRE + (rows64 * stride_pm)[:, None] + cols[None, :]
-        z = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
-        drop = g  # keep * scale with DROPOUT (unused otherwise)
-        if DROPOUT:
-            drop = _drop_scale(seed, offset, rows, off_n, N, threshold, scale, BLOCK_M, BLOCK_N, GROUPED)
-        up = z  # the up half with GATED (unused otherwise)
-        if GATED:
-            up = tl.load(pre_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-        gz, gu, a = hidden_grads(g, z, up, drop, ACTIVATION, GATED, DROPOUT, NEED_A)
-        if NEED_A:
-            a_ptrs = A_OUT + (rows64 * N)[:, None] + cols[None, :]
-            tl.store(a_ptrs, a.to(A_OUT.dtype.element_ty), mask=mask)
-        if NEED_PRE:
-            gp_ptrs = GP + (rows64 * P)[:, None] + cols[None, :]
-            tl.store(gp_ptrs, gz.to(GP.dtype.element_ty), mask=mask)
-            if GATED:
-                tl.store(gp_ptrs + N, gu.to(GP.dtype.element_ty), mask=mask)
-        if NEED_BIAS:  # selected, not trusted to be 0: squared_relu'(3e38) * 0 = inf * 0 = NaN
-            sums_ptrs = PARTIALS + pid_m.to(tl.int64) * P + cols
-            tl.store(sums_ptrs, tl.sum(tl.where(mask, gz, 0.0), axis=0), mask=in_n)
-            if GATED:
-                tl.store(sums_ptrs + N, tl.sum(tl.where(mask, gu, 0.0), axis=0), mask=in_n)
+        pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
+        if EPILOGUE_SPLIT == 2:  # two (BLOCK_M, BLOCK_N / 2) epilogues: half the live registers
+            g_lo, g_hi = _halves(g, BLOCK_M, BLOCK_N)
+            _grad_epilogue(
+                g_lo, pid_m, pid_n * BLOCK_N, M, N, PRE, GP, A_OUT, PARTIALS, stride_pm, seed, offset,
+                threshold, scale, BLOCK_M, BLOCK_N // 2, ACTIVATION, GATED, NEED_PRE, NEED_A, NEED_BIAS,
+                DROPOUT, GROUPED,
+            )  # fmt: skip
+            _grad_epilogue(
+                g_hi, pid_m, pid_n * BLOCK_N + BLOCK_N // 2, M, N, PRE, GP, A_OUT, PARTIALS, stride_pm, seed,
+                offset, threshold, scale, BLOCK_M, BLOCK_N // 2, ACTIVATION, GATED, NEED_PRE, NEED_A,
+                NEED_BIAS, DROPOUT, GROUPED,
+            )  # fmt: skip
+        else:
+            _grad_epilogue(
+                g, pid_m, pid_n * BLOCK_N, M, N, PRE, GP, A_OUT, PARTIALS, stride_pm, seed, offset, threshold,
+                scale, BLOCK_M, BLOCK_N, ACTIVATION, GATED, NEED_PRE, NEED_A, NEED_BIAS, DROPOUT, GROUPED,
+            )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -311,6 +409,7 @@ def _shared(a: Tensor, bs: tuple[Tensor, ...], outs: tuple[Tensor, ...], cfg: ma
         INDEX_64=max(extents) >= 2**31,
         DOT_FP32=a.dtype == torch.bfloat16 and a.device.type != "cuda",
         WARP_SPECIALIZE=cfg.warp_specialize,
+        EPILOGUE_SPLIT=cfg.epilogue_split,
     )
     return constexprs, min(programs, tiles)
 
