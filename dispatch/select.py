@@ -127,11 +127,17 @@ def kernels(call: Call, backend: Optional[str]) -> Kernels:
     found = decision(key(call, backend)).backend.kernels_for(call.op)
     if found.masks == "spec":
         return found
-    for name, why in _reasons(call, None, backends()).items():
-        able = None if why else get(name).kernels_for(call.op)
-        if able is not None and able.masks == "spec":
-            return able
-    raise ValueError(f"no backend can run {call} on the spec's dropout masks")
+    fallback = _impls.get((call, _SPEC_KERNELS))
+    if fallback is None:
+        able = (get(n).kernels_for(call.op) for n, why in _reasons(call, None, backends()).items() if not why)
+        fallback = next((k for k in able if k is not None and k.masks == "spec"), None)
+        if fallback is None:
+            raise ValueError(f"no backend can run {call} on the spec's dropout masks")
+        _impls[(call, _SPEC_KERNELS)] = fallback  # once per call signature, as decisions are
+    return fallback  # type: ignore[return-value]
+
+
+_SPEC_KERNELS = "kernels on the spec's masks"
 
 
 def decision(key: tuple) -> Decision:

@@ -608,11 +608,16 @@ def backward_pass(
         ),
         num_warps=cfg.num_warps,
     )
-    if partials is not None:  # 32 columns (128 B rows) a program: N / 32 programs stream the partials
-        _BIAS_GRAD(
-            (_cdiv(n, 32),), (partials, grad_bias, row_programs, n), dict(BLOCK_R=64, BLOCK_N=32), num_warps=4
-        )
+    if partials is not None:
+        sum_partials(partials, grad_bias)
     return grad_x, grad_bias
+
+
+def sum_partials(partials: Tensor, out: Tensor) -> None:
+    """out (N,) <- the column sums of float32 partials (R, N), rows added in a fixed order (the passes'
+    and the MLP epilogues' bias gradients): 32 columns (128 B rows) a program, N / 32 programs."""
+    rows, n = partials.shape
+    _BIAS_GRAD((_cdiv(n, 32),), (partials, out, rows, n), dict(BLOCK_R=64, BLOCK_N=32), num_warps=4)
 
 
 # The dispatcher's kernels skip this module's own argument checks: the spec validated the call, and

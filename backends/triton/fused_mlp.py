@@ -41,7 +41,7 @@ from dispatch.contracts.backend import Kernels
 from dispatch.ops.fused_mlp_math import Block, gate_halves
 
 VARIANTS = ("passes", "epilogues")
-DEFAULT_VARIANT = "passes"  # until bench_mlp --variants measures "epilogues" on the GPU
+DEFAULT_VARIANT = "passes"  # until bench_mlp's mlp/triton+epilogues column is timed on the GPU
 _chosen: list[Optional[str]] = [None]
 
 

@@ -290,9 +290,6 @@ def backward(
         ),
         num_warps=cfg.num_warps,
     )
-    if partials is not None:  # 32 columns (128 B rows) a program, as bias_act_dropout's reduction
-        bias_act_dropout._BIAS_GRAD(
-            (_cdiv(width, 32),), (partials, grad_bias, row_programs, width), dict(BLOCK_R=64, BLOCK_N=32),
-            num_warps=4,
-        )  # fmt: skip
+    if partials is not None:
+        bias_act_dropout.sum_partials(partials, grad_bias)
     return grad_pre, a, grad_bias

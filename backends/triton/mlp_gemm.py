@@ -515,8 +515,5 @@ def grad_hidden(
     grad_bias = None
     if partials is not None:
         grad_bias = pre.new_empty((width,))
-        bias_act_dropout._BIAS_GRAD(
-            (matmul._cdiv(width, 32),), (partials, grad_bias, partials.shape[0], width),
-            dict(BLOCK_R=64, BLOCK_N=32), num_warps=4,
-        )  # fmt: skip
+        bias_act_dropout.sum_partials(partials, grad_bias)
     return grad_pre, a, grad_bias
