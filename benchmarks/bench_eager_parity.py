@@ -2,7 +2,7 @@
 
     python benchmarks/bench_eager_parity.py [--out DIR] [--tag T] [--quick] [--budget S] [--activations A,B]
 
-The eager backend launches PyTorch's own kernels (backends/eager/fused_linear.py), so whatever
+The eager backend launches PyTorch's own kernels (dispatch/backends/eager/fused_linear.py), so whatever
 separates it from ``act(F.linear(x, w, b))`` is the dispatcher's host cost, or the clock's noise.
 Per point (projection, tokens M, activation, mode), four entries timed in interleaved rounds:
   pytorch       act(F.linear(x, w, b)), the composite a user writes (``dispatch.ops.fused_linear.baseline``)

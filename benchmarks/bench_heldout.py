@@ -15,7 +15,7 @@ is host-bound), on the other clocks the pick outside capture:
 Two lines follow the targets: the GPU score against the backends a capture may run, and the clock's noise
 (eager against PyTorch where both run PyTorch's own kernels).
 
-    python benchmarks/bench_heldout.py --table heuristics/tables/nvidia-h200.json --budget 120
+    python benchmarks/bench_heldout.py --table dispatch/heuristics/tables/nvidia-h200.json --budget 120
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU's calibration in one device call (<= 10 min): the full calibration (its slim table to
-# heuristics/tables/<gpu>.json, its raw points to benchmarks/results/calibrate_points-<gpu>.json), the
+# dispatch/heuristics/tables/<gpu>.json, its raw points to benchmarks/results/calibrate_points-<gpu>.json), the
 # choice tables, the log with the self-check, then the held-out evaluation (models outside the
 # calibration's sizes); every file also lands under $OUT with the same relative path.
 #   bash benchmarks/device_calibrate.sh
@@ -24,7 +24,7 @@ mkdir -p "$OUT/$R" "$OUT/heuristics/tables" "$DISPATCH_HEURISTICS_DIR" "$R"
 GPU=$(python3 -c "import torch; from dispatch import heuristics; print(heuristics.device_info(torch.device('cuda', 0))['slug'])")
 DATE=$(date +%F)$TAG
 RAW=$R/calibrate_points-$GPU$TAG.json
-SLIM=heuristics/tables/$GPU.json
+SLIM=dispatch/heuristics/tables/$GPU.json
 start=$SECONDS
 
 # shellcheck disable=SC2086  (CAL_ARGS is a list of arguments)

@@ -14,7 +14,7 @@
 #   bench_e2e_llama           benchmarks/<stage>.py --out $R, then $ARGS_<stage> or else $BENCH_ARGS
 #   benchmarks                the four benchmarks with --quick, one after another
 #   calfull                   the full calibration into calibrate_points-<gpu>$CAL_TAG.json (raw points) and
-#                             heuristics/tables/<gpu>.json (slim: later stages of the call use it), budget =
+#                             dispatch/heuristics/tables/<gpu>.json (slim: later stages of the call use it), budget =
 #                             the stage's limit - 40 s; fresh, or with CAL_RESUME=1 extending the raw file the
 #                             working tree carries at benchmarks/results/ (copied there from an earlier call's
 #                             $OUT); both tables also to $OUT, the choice tables to the tarball; CAL_ARGS adds
@@ -57,7 +57,7 @@ calfull() {  # calfull SECONDS: the full calibration, fresh or (CAL_RESUME=1) ex
   gpu=$(python3 -c "import torch; from dispatch import heuristics as h
 print(h.device_info(torch.device('cuda' if torch.cuda.is_available() else 'cpu'))['slug'])")
   raw=benchmarks/results/calibrate_points-$gpu${CAL_TAG:-}.json
-  slim=heuristics/tables/$gpu.json
+  slim=dispatch/heuristics/tables/$gpu.json
   if [ "${CAL_RESUME:-0}" = 1 ]; then
     if [ ! -f "$raw" ]; then
       echo "CAL_RESUME=1: no $raw here (copy it from the last call's \$OUT)"
@@ -113,11 +113,11 @@ for arg in "$@"; do
     calibrate_resume) cp "${RESUME_FROM:?}" "$TABLE"; stage calibrate_resume "$limit" python3 -m dispatch.calibrate --resume --budget $((limit - 60)) --out "$TABLE" ;;
     # REFRESH holds the selecting arguments, e.g. "--ops bias_act_dropout --modes training"
     refresh)
-      [ -f "$TABLE" ] || cp heuristics/tables/nvidia-h200.json "$TABLE"
+      [ -f "$TABLE" ] || cp dispatch/heuristics/tables/nvidia-h200.json "$TABLE"
       # shellcheck disable=SC2086
       stage refresh "$limit" python3 -m dispatch.calibrate --refresh ${REFRESH:?} --budget $((limit - 45)) --out "$TABLE" ;;
     table) stage table "$limit" python3 -m dispatch.table --gpu "$TABLE" ;;
-    heldout) stage heldout "$limit" python3 benchmarks/bench_heldout.py --table heuristics/tables/nvidia-h200.json \
+    heldout) stage heldout "$limit" python3 benchmarks/bench_heldout.py --table dispatch/heuristics/tables/nvidia-h200.json \
       --budget $((limit > 120 ? limit - 90 : 30)) --out "$R/heldout.json" ;;
     *) echo "unknown stage $name" ;;
   esac

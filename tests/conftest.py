@@ -25,7 +25,7 @@ if not HAS_GPU:
 DEVICE = "cuda" if HAS_GPU else "cpu"
 
 # Tables the user calibrated (~/.cache/fusedispatch/heuristics) must not change what tests see; the
-# shipped heuristics/tables/ still apply.
+# shipped dispatch/heuristics/tables/ still apply.
 os.environ["DISPATCH_HEURISTICS_DIR"] = tempfile.mkdtemp(prefix="fusedispatch-heuristics-")
 
 

@@ -214,7 +214,7 @@ def test_empty(device):
 
 
 def test_gelu_and_its_derivative_are_float32_accurate(device):
-    """The branch-free Phi of backends/triton/activations.py, densely over [-12, 12] and near 0: within
+    """The branch-free Phi of dispatch/backends/triton/activations.py, densely over [-12, 12] and near 0: within
     4e-7 * max(1, |z|) of float64 (libdevice's erff and torch: ~1.2e-7)."""
     z = torch.cat([torch.linspace(-12, 12, 6001), torch.linspace(-1e-3, 1e-3, 201)]).to(device).view(1, -1)
     z64 = z.double().requires_grad_()

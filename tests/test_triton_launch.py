@@ -1,4 +1,4 @@
-"""backends/triton/launch.py: the compiled-kernel cache key must be at least as fine as Triton's own
+"""dispatch/backends/triton/launch.py: the compiled-kernel cache key must be at least as fine as Triton's own
 specialization (tensor dtype and 16-byte alignment; int width, == 1, % 16 == 0), so that a cached
 kernel is never reused for arguments it was not compiled for; constexprs are passed by name and must
 be exactly the kernel's; the private fast path is gated on the Triton versions it was tested with.

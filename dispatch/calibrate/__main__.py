@@ -11,7 +11,7 @@ could not extend (another device's table, another schema, not a table) is never 
 
     python -m dispatch.calibrate --quick                      # H200 ~2 min, 2 CPU cores < 3 min
     python -m dispatch.calibrate --out benchmarks/results/calibrate_points-nvidia-h200.json \\
-        --slim-out heuristics/tables/nvidia-h200.json          # full: 124 series in 501 s on an H200
+        --slim-out dispatch/heuristics/tables/nvidia-h200.json          # full: 124 series in 501 s on an H200
     python -m dispatch.calibrate --refit RAW [--agree OTHER]   # the current rule on measured points
 """
 
@@ -60,7 +60,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     )
     add("--tokens", nargs="+", type=int, help="the coarse grid of token counts M")
     add("--out", help="default: <user dir>/<device slug>.json, the first place lookup looks")
-    add("--slim-out", help="also write the table without its raw points (as heuristics/tables/ ships it)")
+    add("--slim-out", help="also write the table without its raw points (as dispatch/heuristics/tables/ ships it)")
     add("--resume", action="store_true", help="keep what --out has measured, measure the rest")
     add("--refresh", action="store_true", help="measure the selected families again, keep the rest of --out")
     add("--tables", action="store_true", help="print the choice tables at the end (python -m dispatch.table)")

@@ -1,7 +1,7 @@
 """The one table of activations: names, forward functions and derivatives.
 
 Every backend uses these names; the eager reference uses these torch functions. The Triton
-backend keeps jitted twins of each pair in ``backends/triton/activations.py`` under the same names.
+backend keeps jitted twins of each pair in ``dispatch/backends/triton/activations.py`` under the same names.
 Half-precision inputs are computed in float32 by the callers and rounded once to the output dtype.
 """
 

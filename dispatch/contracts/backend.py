@@ -2,7 +2,7 @@
 backend's declaration of what it supports (``Backend``). Imports nothing of ours but the other
 contracts.
 
-A backend is one folder under ``backends/`` whose ``__init__`` builds a :class:`Backend` named
+A backend is one folder under ``dispatch/backends/`` whose ``__init__`` builds a :class:`Backend` named
 ``BACKEND``; ``dispatch.registry`` collects them. For each op it implements it gives one kernels
 object, of the protocol the op's spec defines (``dispatch/ops/<op>.py``: ``Kernels``); a backend that
 serves every op (eager: the spec's reference; pytorch: its baseline) builds them from the spec.
