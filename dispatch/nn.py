@@ -16,14 +16,14 @@ dtype, whatever x is: the fused op needs one dtype, and x carries the precision 
 
 torch.compile: the modules compile with ``fullgraph=True``; with no backend requested their ops are
 traced as plain math that inductor fuses (dropout with inductor's mask), else each op is one
-custom-op node (``dispatch/library.py``); ``fused_mlp`` traces as plain math either way.
+custom-op node (each op's ``torch.library`` registration in ``dispatch/ops/<op>.py``).
 
-CUDA graphs: dropout draws its ``[seed, offset]`` pair with ``torch.randint`` on x's device from the
-device's default generator (``dispatch/rng.py``). Under ``torch.cuda.graph`` capture torch registers
-that generator with the graph and advances it on every replay, so each replay draws a new pair and
-gets a new mask; a backward captured in the same graph regenerates its forward's mask from the same
-pair (``tests/test_nn.py::test_cuda_graph_replays_draw_new_masks``). Nothing is read back to the
-host, so capture never synchronizes. ``model.eval()`` (or p = 0) draws nothing and drops nothing.
+CUDA graphs: dropout draws its ``[seed, offset]`` pair from the device's default generator
+(``dispatch/contracts/rng.py``). Under ``torch.cuda.graph`` capture torch registers that generator with
+the graph and advances it on every replay, so each replay draws a new pair and gets a new mask; a
+backward captured in the same graph regenerates its forward's mask from the same pair
+(``tests/test_nn.py::test_cuda_graph_replays_draw_new_masks``). Nothing is read back to the host, so
+capture never synchronizes. ``model.eval()`` (or p = 0) draws nothing and drops nothing.
 """
 
 from __future__ import annotations
@@ -33,10 +33,15 @@ import numbers
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dispatch.contracts.activations import ACTIVATION_NAMES, GATED_NAMES, GATES, get_activation
+from dispatch import select
 from dispatch.api import fused_bias_act_dropout, fused_linear, fused_mlp
+from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS, GATED_NAMES, GATES, get_activation
+from dispatch.ops.fused_mlp import module_call
+
+_compiling = torch.compiler.is_compiling
 
 _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)  # autocast never casts float64
@@ -229,6 +234,13 @@ class FusedMLP(nn.Module):
 
     Dropout runs in training mode only (``module.training``), with ``fused_mlp``'s masks (by
     ``dispatch.contracts.rng``'s spec, regenerated in backward; the pytorch backend's are torch's).
+
+    Where the dispatcher picks plain PyTorch (no table for this GPU, no cell for the call, or the table's
+    pick), the block runs as its own module did: its layers called in the module's order (their hooks
+    and autocast apply), the activation module it was built from (``activation_module``: the block's
+    own, which ``dispatch.patch`` keeps) or the table's torch function, ``F.dropout``: the same kernels
+    and saved tensors as the unpatched model, for the cost of one cached decision. ``explain(x)`` says
+    which backend a call runs on and why.
     """
 
     def __init__(
@@ -282,12 +294,15 @@ class FusedMLP(nn.Module):
         p_out: float = 0.0,
         *,
         names: Optional[Sequence[str]] = None,
+        activation_module: Optional[nn.Module] = None,
     ) -> FusedMLP:
         """The block over existing linear layers (``nn.Linear``, Hugging Face's ``Conv1D``, a
         ``FusedLinear`` without activation or dropout), adopted by reference: the same modules, hence
         the same Parameters, registered under ``names`` in that order (default fc1, fc2; for a (gate,
         up) pair gate_proj, up_proj, down_proj), so ``<name>.weight`` keeps its key. ``fc1`` is one
-        layer or, for a gated activation, a (gate, up) pair; all store their weights one way."""
+        layer or, for a gated activation, a (gate, up) pair; all store their weights one way.
+        ``activation_module``: the block's own activation (of the gate, for a gated one), which the
+        block runs on plain PyTorch instead of the table's torch function; held, not registered."""
         gated = _check_mlp_activation(activation)
         inner = tuple(fc1) if isinstance(fc1, (tuple, list)) else (fc1,)
         if len(inner) == 2 and not gated:
@@ -301,6 +316,10 @@ class FusedMLP(nn.Module):
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module._adopt(dict(zip(names, (*inner, fc2))), activation, p, p_out)
+        if activation_module is not None:
+            if not callable(activation_module):
+                raise TypeError(f"activation_module must be a callable module, got {activation_module!r}")
+            object.__setattr__(module, "_act_fn", activation_module)  # not a child: state_dict unchanged
         return module
 
     def _adopt(self, layers: dict[str, nn.Module], activation: str, p: float, p_out: float) -> None:
@@ -334,6 +353,7 @@ class FusedMLP(nn.Module):
         self._in_names, self._out_name = tuple(names[:-1]), names[-1]
         for name, layer in layers.items():
             self.add_module(name, layer)
+        object.__setattr__(self, "_act_fn", None)  # the table's torch function (a lambda: not kept, for pickle)
 
     def _operand(self, name: str, dtype: Optional[torch.dtype]) -> tuple[Tensor, Optional[Tensor]]:
         """A projection's (weight (out, in), bias), cast to ``dtype`` first when autocast gives one."""
@@ -343,6 +363,16 @@ class FusedMLP(nn.Module):
             weight, bias = _cast(weight, dtype), _cast(bias, dtype)
         return (weight.t() if self.transposed else weight), bias  # transposed after the cast, as FusedLinear
 
+    def _call(self, x: Tensor, dtype: Optional[torch.dtype]):
+        """The decision key of ``fused_mlp`` on x, made from the module's own settings (no checks)."""
+        grad = torch.is_grad_enabled() and (x.requires_grad or any(
+            t is not None and t.requires_grad
+            for layer in map(self._modules.__getitem__, (*self._in_names, self._out_name))
+            for t in (layer.weight, layer.bias)
+        ))  # fmt: skip
+        dropout = self.training and (self.p > 0.0 or self.p_out > 0.0)
+        return module_call(x, dtype or x.dtype, self.hidden_features, self.activation, dropout, grad)
+
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1:] != (self.in_features,):
             raise ValueError(
@@ -350,6 +380,8 @@ class FusedMLP(nn.Module):
                 f"got x of shape {tuple(x.shape)}"
             )
         dtype = _autocast_dtype(x)
+        if not _compiling() and select.plain_pytorch(self._call(x, dtype)):
+            return self.module_forward(x)
         if dtype is not None:
             x = _cast(x, dtype)
         inner = [self._operand(name, dtype) for name in self._in_names]
@@ -360,6 +392,33 @@ class FusedMLP(nn.Module):
             (w_gate, b_gate), (w_up, b_up) = inner
             w_in, b_in = (w_gate, w_up), None if b_gate is None else (b_gate, b_up)
         return fused_mlp(x, w_in, b_in, w_out, b_out, self.activation, self.p, self.p_out, self.training)
+
+    def module_forward(self, x: Tensor) -> Tensor:
+        """The block as a module runs it in plain PyTorch: its layers called in order, LLaMA's
+        down(act(gate(x)) * up(x)) for a (gate, up) pair, Phi-3's chunked gate_up_proj for a stacked one,
+        the activation module it was built from, ``F.dropout`` in training."""
+        act, call = self._act_fn, self._modules.__getitem__
+        if act is None:
+            act = ACTIVATIONS[GATES.get(self.activation, self.activation)].forward
+        if len(self._in_names) == 2:
+            gate, up = map(call, self._in_names)
+            a = act(gate(x)) * up(x)
+        elif self.activation in GATES:
+            gate, up = call(self._in_names[0])(x).chunk(2, dim=-1)
+            a = up * act(gate)
+        else:
+            a = act(call(self._in_names[0])(x))
+        if self.p and self.training:
+            a = F.dropout(a, self.p, True)
+        y = call(self._out_name)(a)
+        return F.dropout(y, self.p_out, True) if self.p_out and self.training else y
+
+    def explain(self, x: Tensor) -> select.Decision:
+        """Which backend a call on ``x`` runs on, by which rule, and why each other backend was not
+        chosen (print it); on plain PyTorch the block runs ``module_forward``."""
+        if x.shape[-1:] != (self.in_features,):
+            raise ValueError(f"x's last dimension must be in_features={self.in_features}, got {tuple(x.shape)}")
+        return select.explain_call(self._call(x, _autocast_dtype(x)), None)
 
     def extra_repr(self) -> str:
         return (

@@ -4,9 +4,10 @@ Three rewrites, each exactly the original function (dropout masks aside):
 
 * A whole MLP block, Linear -> activation (or a gate) (-> Dropout) -> Linear (-> Dropout): one
   ``FusedMLP`` where the block was, over the block's own linear layers (``dispatch/patch_mlp.py``).
-  Blocks: Hugging Face's GPT-2, ViT, LLaMA, Mistral and Qwen2 MLPs by class (the gated ones, act(gate(x))
-  * up(x), as swiglu/geglu/geglu_tanh/reglu over the (gate, up) pair), and an ``nn.Sequential`` that is
-  exactly Linear, activation, [Dropout], Linear, [Dropout].
+  Blocks: Hugging Face MLPs by class (GPT-2's, ViT's, the LLaMA family's gated ones, act(gate(x)) * up(x),
+  as swiglu/geglu/geglu_tanh/reglu over the (gate, up) pair, Phi-3's stacked one, ...), and an
+  ``nn.Sequential`` that is exactly Linear, activation, [Dropout], Linear, [Dropout]. Where the
+  dispatcher picks plain PyTorch the block computes exactly as before (``FusedMLP.module_forward``).
 * Linear + activation (+ Dropout), elsewhere: one ``FusedLinear(activation=..., dropout=p)`` where the
   Linear was, ``nn.Identity`` where the activation and the dropout were. Without dropout (or p = 0, or
   in eval mode) bias and activation are the matmul's epilogue; in training with p > 0 the GEMM runs
@@ -218,8 +219,8 @@ def patch(
     (-> dropout) runs with ``FusedLinear`` / ``FusedBiasActDropout``, and returns a report (print it) of
     what became what where.
 
-    Recognized: Hugging Face ``GPT2MLP``, ``ViTMLP``, ``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP`` (each one
-    ``FusedMLP``), ``BertIntermediate``, ``BertOutput``, and any ``nn.Sequential`` holding Linear, then a
+    Recognized: Hugging Face MLP blocks by class (each one ``FusedMLP``: GPT-2's ``GPT2MLP``, ``ViTMLP``,
+    ``LlamaMLP`` and its kin, ``Phi3MLP``, ...; ``dispatch.patch_mlp._HF_MLPS`` lists them), ``BertIntermediate``, ``BertOutput``, and any ``nn.Sequential`` holding Linear, then a
     known activation and/or ``nn.Dropout`` (one ``FusedMLP`` where the Sequential is exactly one MLP and
     not the model itself). Activations: nn.ReLU, nn.GELU (both approximations), nn.SiLU,
     nn.LeakyReLU(0.01), and Hugging Face's gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, relu2

@@ -1,13 +1,16 @@
 """What ``dispatch.patch`` recognizes in an MLP (activation modules, linear layers, whole blocks), and its
 whole-block rewrite: an MLP block -> one ``FusedMLP`` over the block's own linear layers.
 
-Whole blocks are Hugging Face classes whose forward is known (``_HF_MLPS``: GPT-2's, ViT's, LLaMA's,
-Mistral's, Qwen2's MLP) and ``nn.Sequential``s whose children are exactly Linear, activation, [Dropout],
-Linear, [Dropout]. The ``FusedMLP`` takes the block's place in every parent that holds it and adopts the
-block's linear layers (the same modules and Parameters) under their attribute names (``c_fc``, ``gate_proj``,
-``0``, ...) in the block's order, so ``named_parameters()`` and the state_dict keep their keys and order and
-checkpoints load both ways with ``strict=True``; the activation and dropout modules, which hold no
-parameters, go. The block's own forward no longer runs, which is why only blocks whose forward is known are
+Whole blocks are Hugging Face classes whose forward is known (``_HF_MLPS``: the MLPs of GPT-2, GPT-J,
+GPT-NeoX, BigCode, ViT, SigLIP, CLIP, Phi-3, and the LLaMA family's gated ones: Mistral, Qwen2/3, Gemma 1-3,
+Granite, OLMo, Cohere, StableLM) and ``nn.Sequential``s whose children are exactly Linear, activation,
+[Dropout], Linear, [Dropout]. The ``FusedMLP`` takes the block's place in every parent that holds it and
+adopts the block's linear layers (the same modules and Parameters) under their attribute names (``c_fc``,
+``gate_proj``, ``0``, ...) in the block's order, so ``named_parameters()`` and the state_dict keep their keys
+and order and checkpoints load both ways with ``strict=True``; the dropout modules, which hold no
+parameters, go, and the activation module is held (not registered) for the block's plain-PyTorch forward
+(``FusedMLP.module_forward``: the block's own computation, which runs where the dispatcher picks plain
+PyTorch). The block's own forward no longer runs, which is why only blocks whose forward is known are
 rewritten. A block that is the model itself has no parent to take a FusedMLP: ``patch`` falls back to its
 per-linear rewrite there, as it does for MLP runs inside a longer ``nn.Sequential`` (a FusedMLP in its place
 would rename the run's parameters), and for BERT, whose MLP spans two blocks (``BertIntermediate``, then
@@ -50,18 +53,31 @@ class Block(NamedTuple):
     drop: Optional[str]  # dropout on the hidden activation
     out: str
     drop_out: Optional[str]  # dropout on the output
+    gated: bool = False  # one input projection stacking [gate; up] (Phi-3's gate_up_proj)
 
 
 _LLAMA = Block(("gate_proj", "up_proj"), "act_fn", None, "down_proj", None)  # down(act(gate(x)) * up(x))
+_FC = Block(("fc1",), "activation_fn", None, "fc2", None)  # fc2(act(fc1(x)))
+_C_FC = Block(("c_fc",), "act", None, "c_proj", "dropout")  # dropout(c_proj(act(c_fc(x))))
+_DENSE = Block(("dense_h_to_4h",), "act", None, "dense_4h_to_h", None)
 
-# Hugging Face MLP block class -> its children; each forward is exactly the block, nothing else.
+# Hugging Face MLP block class -> its children; each forward is exactly the block, nothing else (each
+# class's forward is checked against its FusedMLP in tests/test_patch_hf_blocks.py).
 _HF_MLPS: dict[str, Block] = {
-    "GPT2MLP": Block(("c_fc",), "act", None, "c_proj", "dropout"),
-    "ViTMLP": Block(("fc1",), "activation_fn", None, "fc2", None),
-    "LlamaMLP": _LLAMA,
-    "MistralMLP": _LLAMA,
-    "Qwen2MLP": _LLAMA,
-}
+    "GPT2MLP": _C_FC,
+    "GPTBigCodeMLP": _C_FC,
+    "GPTJMLP": Block(("fc_in",), "act", None, "fc_out", "dropout"),
+    "GPTNeoXMLP": _DENSE,
+    "ViTMLP": _FC,
+    "SiglipMLP": _FC,
+    "CLIPMLP": _FC,
+    "Phi3MLP": Block(("gate_up_proj",), "activation_fn", None, "down_proj", None, gated=True),
+    **dict.fromkeys(
+        ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen2MoeMLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP",
+         "GraniteMLP", "OlmoMLP", "Olmo2MLP", "CohereMLP", "StableLmMLP"),
+        _LLAMA,
+    ),
+}  # fmt: skip
 
 
 def activation_name(module: nn.Module) -> Optional[str]:
@@ -149,7 +165,7 @@ def build(block: nn.Module, spec: Block) -> FusedMLP | str:
     activation = activation_name(act)
     if activation is None:
         return why_no_activation(act)
-    if len(spec.inner) == 2:
+    if len(spec.inner) == 2 or spec.gated:
         if activation not in _GATE_OF:
             return f"{spec.act}={type(act).__name__}: gates are fused for {', '.join(_GATE_OF)} only"
         activation = _GATE_OF[activation]
@@ -163,7 +179,9 @@ def build(block: nn.Module, spec: Block) -> FusedMLP | str:
     p, p_out = (0.0 if drop is None else float(drop.p) for drop in drops)
     fc1 = layers[0] if len(layers) == 2 else tuple(layers[:2])
     try:
-        fused = FusedMLP.from_linears(fc1, activation, layers[-1], p, p_out, names=(*spec.inner, spec.out))
+        fused = FusedMLP.from_linears(
+            fc1, activation, layers[-1], p, p_out, names=(*spec.inner, spec.out), activation_module=act
+        )
     except ValueError as error:  # layers whose shapes do not chain
         return str(error)
     return fused.train(block.training)

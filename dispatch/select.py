@@ -164,6 +164,16 @@ def _request(argument: Optional[str], context: Optional[str]) -> tuple[Optional[
     return _env_backend, ENV_VAR
 
 
+def plain_pytorch(call: Call) -> bool:
+    """Whether calls like ``call``, with no backend argument, run on plain PyTorch (the pytorch backend)
+    by the current request, table and capture state: a module that can run its own PyTorch forward
+    (``dispatch.nn.FusedMLP``) then runs that. One cached decision."""
+    found = decision(key(call, None))
+    if found.captured is not None and torch.cuda.is_current_stream_capturing():
+        return found.captured.name == "pytorch"
+    return found.backend.name == "pytorch"
+
+
 def explain_call(call: Call, backend: Optional[str]) -> Decision:
     """The uncached decision for ``call`` with the ``backend=`` argument ``backend``."""
     return decide(call, *_request(backend, _requested.get()))

@@ -355,6 +355,13 @@ class FusedMLPSpec(OpSpec):
 SPEC = ops.register(FusedMLPSpec())
 
 
+def module_call(x: Tensor, dtype: torch.dtype, hidden: int, activation: str, dropout: bool, grad: bool) -> Call:
+    """The decision key ``parse`` would make for a module's call on x (..., H) whose weights are known to
+    fit it (``dispatch.nn.FusedMLP``'s own layers): the key alone, without checking the arguments."""
+    m, h = checks.rows_of(x.shape)
+    return Call(NAME, x.device, dtype, (m, h, hidden), activation, dropout, grad)
+
+
 def fused_mlp(
     x: Tensor,
     w_in: Tensor | tuple[Tensor, Tensor],
