@@ -290,7 +290,7 @@ def decide(call: Call, requested: Optional[str], source: str = "", spec_masks: b
     choice = heuristics.lookup(call)
     if choice is None:
         return Decision(
-            call, everyone[first], f"{heuristics.describe(call.device)}: default {first}", reasons
+            call, everyone[first], f"{heuristics.why_no_choice(call)}; the first able backend: {first}", reasons
         )
     if choice.backend in everyone and not reasons[choice.backend]:
         # only a CUDA call can be captured (and a CPU-only torch cannot even be asked)

@@ -113,7 +113,7 @@ def test_explain_default(device):
     x, bias = _args(device)
     decision = explain("fused_bias_act_dropout", x, bias, "gelu", 0.1)
     assert decision.backend.name == "pytorch"  # plain PyTorch where no table answers
-    assert "default pytorch" in decision.rule
+    assert "the first able backend: pytorch" in decision.rule
     call = decision.call
     assert (call.op, call.shape, call.dtype, call.activation, call.dropout, call.training) == (
         "bias_act_dropout",
@@ -223,7 +223,7 @@ def test_first_able_backend_when_the_table_pick_cannot_serve(monkeypatch, fake, 
 def test_first_able_backend_when_the_default_cannot_serve(monkeypatch, fake):
     x = torch.empty(4, 16, device="meta")  # pytorch and eager run on cpu and cuda only
     decision = explain("fused_bias_act_dropout", x)
-    assert decision.backend is fake and "default fake" in decision.rule
+    assert decision.backend is fake and "the first able backend: fake" in decision.rule
     assert decision.reasons["eager"] == ["eager needs a cpu or cuda device; x is on meta"]
 
 

@@ -144,7 +144,7 @@ def test_the_dispatcher_runs_it_on_every_backend_that_serves_it():
 def test_explain_explains_it():
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     decision = explain("scaled_add", x, y)
-    assert decision.backend.name == "pytorch" and "default pytorch" in decision.rule
+    assert decision.backend.name == "pytorch" and "the first able backend: pytorch" in decision.rule
     assert str(decision).startswith("scaled_add(4x8, float32, identity, inference) on cpu")
     assert decision.reasons["cublaslt"] == ["cublaslt does not implement scaled_add"]
     assert decision.reasons["eager"] == []

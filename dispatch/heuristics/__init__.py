@@ -38,6 +38,7 @@ from dispatch.heuristics.catalog import (
     resolve,
     skipped_tables,
     table_for,
+    why_no_choice,
 )
 from dispatch.heuristics.device import (
     ENV_DIR,
@@ -76,5 +77,5 @@ __all__ = [
     "HeuristicsWarning", "Point", "SchemaError", "Segment", "SegmentRecord", "SelfCheck", "Table",
     "all_tables", "cpu_model", "cpu_slug", "describe", "device_info", "dumps", "load_table", "lookup",
     "max_measured_m", "read_table", "reload", "resolve", "running_versions", "save_table", "skipped_tables",
-    "slim", "slugify", "table_for", "user_dir", "user_dir_problem",
+    "slim", "slugify", "table_for", "user_dir", "user_dir_problem", "why_no_choice",
 ]  # fmt: skip

@@ -1,11 +1,13 @@
 """Which table serves a device, and the cached lookups through it.
 
 Tables are read from the user directory (``DISPATCH_HEURISTICS_DIR``, default
-``~/.cache/fusedispatch/heuristics``), then the shipped ``heuristics/tables/``; the first table of a
-slug wins. A device without a table of its own borrows the nearest one, with one warning naming it: a
-GPU the nearest known GPU by compute capability (then peak bandwidth), a CPU the table of its model
-timed with the nearest thread count. A file that cannot be used is skipped with one warning, and
-``describe()`` names it with the reason. Tables and per-call answers are cached (``reload()`` clears).
+``~/.cache/fusedispatch/heuristics``), then the shipped ``dispatch/heuristics/tables/``; the first table of
+a slug wins. A GPU without a table of its own gets none: every call runs on plain PyTorch, the floor,
+since another GPU's crossovers can lose to it here (``describe()`` names the tables there are and how to
+calibrate). A CPU without one borrows the table of its model timed with the nearest thread count, with
+one warning naming it (the same cores, another thread count). A file that cannot be used is skipped with
+one warning, and ``describe()`` names it with the reason. Tables and per-call answers are cached
+(``reload()`` clears).
 """
 
 from __future__ import annotations
@@ -63,13 +65,6 @@ def skipped_tables() -> tuple[tuple[str, str], ...]:
     return _scan(user_dir(), SHIPPED_DIR).skipped
 
 
-def _gpu_distance(info: DeviceInfo, table: Table) -> tuple[float, float]:
-    cap, other = info.get("capability") or [0, 0], table.device.get("capability") or [0, 0]
-    bw, other_bw = info.get("peak_bandwidth_gbs"), table.device.get("peak_bandwidth_gbs")
-    bw_gap = abs(math.log(bw / other_bw)) if bw and other_bw else 0.0
-    return (abs(cap[0] - other[0]) * 10 + abs(cap[1] - other[1]), bw_gap)
-
-
 def _threads(device: DeviceInfo) -> Optional[int]:
     """The thread count a CPU was timed with: its ``threads``, else its slug's ``-<n>t``."""
     if device.get("threads"):
@@ -85,17 +80,6 @@ def _count(threads: int) -> str:
 def _model(slug: str) -> str:
     """A CPU slug without its thread count: cpu-amd-epyc-7b13-2t -> cpu-amd-epyc-7b13."""
     return re.sub(r"-\d+t$", "", slug)
-
-
-def _nearest_gpu(info: DeviceInfo, tables: tuple[Table, ...]) -> Optional[tuple[Table, str, str]]:
-    """The nearest known GPU's table, which one it is (for the warning) and the note for explain()."""
-    known = [t for t in tables if t.device.get("type") == "cuda"]
-    if not known:
-        return None
-    table = min(known, key=lambda t: _gpu_distance(info, t))
-    cap = ".".join(map(str, table.device.get("capability") or ["?"]))
-    used = f"the one of {table.device['name']} (compute capability {cap}), the nearest known GPU"
-    return table, used, f", nearest known GPU to {info['name']}"
 
 
 def _nearest_threads(info: DeviceInfo, tables: tuple[Table, ...]) -> Optional[tuple[Table, str, str]]:
@@ -115,19 +99,18 @@ def _nearest_threads(info: DeviceInfo, tables: tuple[Table, ...]) -> Optional[tu
 
 def resolve(info: DeviceInfo, tables: tuple[Table, ...]) -> tuple[Optional[Table], str]:
     """The table for a device described by ``info`` (see device_info), and the note for explain(); a
-    table borrowed from another device comes with one warning naming it."""
+    CPU's table borrowed from another thread count comes with one warning naming it."""
     for table in tables:
         if table.slug == info["slug"]:
             return table, ""
-    gpu = info["type"] == "cuda"
-    nearest = (_nearest_gpu if gpu else _nearest_threads)(info, tables)
+    nearest = _nearest_threads(info, tables) if info["type"] == "cpu" else None
     if nearest is None:
         return None, ""
     table, used, via = nearest
-    this = "this GPU" if gpu else f"at {_count(_threads(info) or 1)}"
+    this = f"at {_count(_threads(info) or 1)}"
     writes = os.path.join(user_dir(), info["slug"] + ".json")
     warnings.warn(
-        f"no heuristics table for {info['name']}{'' if gpu else ' ' + this} ({info['slug']}); using {used}. "
+        f"no heuristics table for {info['name']} {this} ({info['slug']}); using {used}. "
         f"Calibrate {this} with: {CALIBRATE_HINT} (writes {writes})",
         HeuristicsWarning,
         stacklevel=4,  # the caller of lookup()
@@ -169,6 +152,12 @@ def lookup(call: Call) -> Optional[Choice]:
     return table.choose(call, via) if table is not None else None
 
 
+def why_no_choice(call: Call) -> str:
+    """Why no table answers ``call`` (``lookup`` gave None), in words for explain()."""
+    table, via = table_for(_normalize(call.device))
+    return describe(call.device) if table is None else table.missing(call, via)
+
+
 def describe(device: torch.device) -> str:
     """Which table serves ``device``, and any table file skipped or directory that serves none (for
     ``dispatch.info`` and explain())."""
@@ -177,8 +166,13 @@ def describe(device: torch.device) -> str:
     notes = [f"skipped {path}: {why}" for path, why in skipped_tables()]
     notes += [problem] if (problem := user_dir_problem()) else []
     if table is None:
+        info = device_info(device)
+        others = sorted(t.device["name"] for t in all_tables() if t.device.get("type") == "cuda")
+        if others and info["type"] == "cuda":
+            notes.append(f"tables here are for {', '.join(others)}, not borrowed: another GPU's crossovers "
+                         "can lose to plain PyTorch on this one")  # fmt: skip
         notes.append(f"calibrate: {CALIBRATE_HINT}")
-        return f"no calibrated table for {device_info(device)['slug']} ({'; '.join(notes)})"
+        return f"no calibrated table for {info['name']} ({info['slug']}) ({'; '.join(notes)})"
     found = f"heuristics table {table.slug}{via} ({table.path}, calibrated {table.data.get('date', '?')})"
     return "; ".join([found, *notes])
 

@@ -1,5 +1,5 @@
 """Writing a table: JSON a person can read (one segment or point a line), written atomically, and the
-slim form heuristics/tables/ ships (the calibrator's output without its raw measured points)."""
+slim form dispatch/heuristics/tables/ ships (the calibrator's output without its raw measured points)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ RAW_ENTRY_KEYS = ("points", "held_out")  # an entry's measured points (the fit's
 
 
 def slim(doc: Document, raw_file: str) -> Document:
-    """The calibrator's output ``doc`` as heuristics/tables/ ships it: every entry's segments and
+    """The calibrator's output ``doc`` as dispatch/heuristics/tables/ ships it: every entry's segments and
     ``max_m``, the provenance and the self-check's summary, without the raw measured points (each
     entry's points and held-out points, the points at unmeasured sizes, the per-series time log),
     which stay in ``doc``, saved at ``raw_file`` (named in ``raw_points``). Lookups answer alike."""

@@ -153,7 +153,7 @@ class DeviceInfo(TypedDict, total=False):
 
 
 class Document(TypedDict, total=False):
-    """A table: the calibrator's output (``report.document``), or slim as heuristics/tables/ ships it."""
+    """A table: the calibrator's output (``report.document``), or slim as dispatch/heuristics/tables/ ships it."""
 
     schema_version: int
     device: DeviceInfo

@@ -156,6 +156,22 @@ class Table:
         what = f"{key.op} {key.dtype} {key.activation} {key.mode}"
         return Choice(seg.backend, f"{where}: {what}, {'; '.join(notes)}", gpu)
 
+    def missing(self, call: Call, via: str = "") -> str:
+        """Why the table has no cell for ``call`` (``choose`` gave None), for explain(): its calibration's
+        budget stopped before the call's family, or the family was never asked for."""
+        key = EntryKey.of_call(call)
+        what = f"{key.op} {key.dtype} {key.activation} {key.mode}{' dropout' if key.dropout else ''}"
+        where = f"heuristics table {self.slug}{via} ({self.path}) has no cell for {what}: not measured here"
+        families = (self.data.get("settings") or {}).get("families") or {}
+        family = f"{key.op} "
+        tail = f" {key.mode}{' dropout' if key.dropout else ''}"
+        cut = sorted(label for label, f in families.items()
+                     if label.startswith(family) and label.endswith(tail) and (f or {}).get("series_left"))  # fmt: skip
+        if cut:
+            return (f"{where}; its calibration stopped at its budget with {', '.join(cut)} not measured "
+                    f"(python -m dispatch.calibrate --resume measures the rest)")  # fmt: skip
+        return f"{where} (python -m dispatch.calibrate --ops {key.op} measures it)"
+
     def version_mismatch(self) -> list[str]:
         stored, running = self.data.get("versions") or {}, running_versions()
         return [f"{k} {stored.get(k)} (running {running[k]})" for k in running if stored.get(k) != running[k]]
