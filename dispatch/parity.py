@@ -10,7 +10,9 @@ backends: compiling ones (inductor, nvfuser) took 10-75 s per case on 2 busy cor
 early, their remaining cases listed as skipped. CPU shapes are small: Triton runs there only through
 its interpreter (``TRITON_INTERPRET=1``), which parity includes, since it asks for backends by name.
 The last line counts the backend x op x dtype groups that ran and passed, and those not run or cut
-short, with each backend's cause (budget, unavailable, not supported).
+short, with each backend's cause (budget, unavailable, not supported). A backend this device's table
+picks anywhere that the budget cut short makes the verdict "incomplete" (exit code 2): a pass must have
+checked every backend the dispatcher will run.
 """
 
 from __future__ import annotations
@@ -145,6 +147,23 @@ def summary(rows: list[Row], unrun: dict[Group, set[str]]) -> str:
     return "; ".join(parts)
 
 
+def picked_backends(device: torch.device) -> set[str]:
+    """Every backend the table serving ``device`` picks in some segment (or for CUDA-graph capture)."""
+    from dispatch import heuristics
+
+    table, _ = heuristics.table_for(torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda"
+                                    and device.index is None else device)  # fmt: skip
+    if table is None:
+        return set()
+    segs = [s for by in table.index.values() for e in by.values() for s in e.segments]
+    return {s.backend for s in segs} | {s.gpu_backend for s in segs if s.gpu_backend}
+
+
+def unchecked_picks(picked: set[str], unrun: dict[Group, set[str]]) -> list[str]:
+    """The picked backends whose cases the budget cut (ran on too few cases to vouch for them)."""
+    return sorted({backend for (backend, _, _), why in unrun.items() if backend in picked and BUDGET in why})
+
+
 def report(rows: list[Row], skipped: dict[str, set[str]]) -> str:
     table = [
         [
@@ -206,8 +225,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(report(rows, skipped))
     failed = any(r.failures for r in rows)
     seconds = time.monotonic() - start
-    print(f"{'FAILED' if failed else 'passed'} on {device} in {seconds:.0f} s: {summary(rows, unrun)}")
-    return 1 if failed else 0
+    cut = [] if failed else unchecked_picks(picked_backends(device), unrun)
+    verdict = "FAILED" if failed else "incomplete" if cut else "passed"
+    print(f"{verdict} on {device} in {seconds:.0f} s: {summary(rows, unrun)}")
+    if cut:
+        print(f"incomplete: this device's table picks {', '.join(cut)}, whose cases the budget cut short; "
+              f"check them all with: python -m dispatch.parity{' --quick' if args.quick else ''} "
+              f"--backends {' '.join(cut)} --budget 0")  # fmt: skip
+    return 1 if failed else 2 if cut else 0
 
 
 if __name__ == "__main__":

@@ -192,15 +192,31 @@ def cached_calls() -> list[Call]:
     return list(dict.fromkeys(k[0] for k in (*tuple(_cache), *tuple(_impls))))  # copies: no lock
 
 
-def spec_masks(required: bool = True) -> None:
+class spec_masks:  # noqa: N801  (a function to its callers, as use_backend)
     """Every dropout call then draws its mask by ``dispatch.contracts.rng``'s spec (identical on every
     backend, regenerated in backward, never stored): backends whose masks come from torch's RNG
     (pytorch) no longer serve dropout calls. Off by default: the spec costs eager's and the compiled
-    backends' dropout a traced Philox."""
+    backends' dropout a traced Philox. ``spec_masks()`` switches it on for the process (``spec_masks(False)``
+    off); ``with spec_masks():`` for the block only, the setting before it restored at its end."""
+
+    def __init__(self, required: bool = True) -> None:
+        self.previous = _set_spec_masks(bool(required))
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        _set_spec_masks(self.previous)
+
+
+def _set_spec_masks(required: bool) -> bool:
+    """Sets the switch (emptying the decision caches where it changes); returns the setting before."""
     global _spec_masks
-    _spec_masks = bool(required)
-    _cache.clear()
-    _impls.clear()
+    previous, _spec_masks = _spec_masks, required
+    if previous != required:
+        _cache.clear()
+        _impls.clear()
+    return previous
 
 
 _spec_masks = False

@@ -20,7 +20,6 @@ import torch
 from tabulate import tabulate
 
 from dispatch import heuristics, ops
-from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.contracts.backend import Call
 from dispatch.contracts.shapes import TOKENS
 from dispatch.heuristics.ranking import BASELINE, costs, preference, rank
@@ -226,7 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--gpu", help="device slug or name, or a table's path (default: this machine's device)")
     p.add_argument("--op", choices=ops.names())
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--activation", choices=ACTIVATION_NAMES)
+    p.add_argument("--activation", choices=sorted({a for s in ops.all_specs() for a in s.activations}))
     p.add_argument("--mode", choices=heuristics.MODES)
     args = p.parse_args(argv)
     table = find(args.gpu)

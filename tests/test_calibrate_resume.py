@@ -15,7 +15,7 @@ from calibration import CPU, args, segments
 from harness import eager_twin, register
 
 
-def test_budget_is_shared_by_the_families_and_resume_continues(user_dir, clocks):
+def test_budget_is_shared_by_the_families_and_resume_continues(user_dir, clocks, capsys):
     """flat's first call at each size sleeps 0.7 s in the training families (a compile), the first of
     them first in line: they cannot measure every series in a 7 s budget, but every family is measured
     (the one that has spent least per planned series goes next), the fast ones whole, and a --resume
@@ -32,6 +32,8 @@ def test_budget_is_shared_by_the_families_and_resume_continues(user_dir, clocks)
     assert measured == {("inference", False), ("inference", True), ("training", False), ("training", True)}
     for label, f in fams.items():
         assert ("training" in label) == (f["series_left"] > 0), (label, f)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("not measured")]
+    assert len(said) == 1 and "bias_act_dropout float32 training" in said[0] and "--resume" in said[0], said
     first = {heuristics.EntryId.of_entry(e): e for e in data["entries"]}
     assert calibrate.main(args(out, "--resume", "--budget", "600", **many)) == 0
     data = heuristics.load_table(str(out)).data

@@ -257,3 +257,29 @@ def test_concurrent_first_calls_compile_safely_and_match_eager(backend, activati
         cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+
+
+def test_a_long_compile_says_so_once(monkeypatch):
+    """A kind's first call that compiles past NOTICE_S gives one CompileNotice naming what compiled and
+    how long; its later calls, and quick compiles, say nothing."""
+    import warnings
+
+    from dispatch.contracts import compiled as compiled_mod
+
+    monkeypatch.setattr(compiled_mod, "NOTICE_S", 0.0)
+    cache = compiled_mod.CompiledCache(lambda: 4)
+
+    def fn(t):
+        return t + 1
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            cache.run((fn, "kind"), (torch.ones(2),), lambda: (fn, fn(torch.ones(2))))
+    notices = [w for w in caught if issubclass(w.category, compiled_mod.CompileNotice)]
+    assert len(notices) == 1 and "test_a_long_compile_says_so_once.<locals>.fn" in str(notices[0].message)
+    monkeypatch.setattr(compiled_mod, "NOTICE_S", 3600.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache.run((fn, "other"), (torch.ones(2),), lambda: (fn, fn(torch.ones(2))))
+    assert not [w for w in caught if issubclass(w.category, compiled_mod.CompileNotice)]

@@ -244,6 +244,22 @@ def test_spec_masks_keep_dropout_off_torch_masks(device):
     assert explain("fused_bias_act_dropout", x, bias, "gelu", 0.1).backend.name == "pytorch"
 
 
+def test_spec_masks_as_a_context_manager(device):
+    """``with dispatch.spec_masks():`` holds for the block only, nested blocks restore what was before."""
+    x, bias = _args(device)
+    picked = lambda: explain("fused_bias_act_dropout", x, bias, "gelu", 0.1).backend.name  # noqa: E731
+    with dispatch.spec_masks():
+        assert picked() == "eager"
+        with dispatch.spec_masks(False):
+            assert picked() == "pytorch"
+        assert picked() == "eager"
+    assert picked() == "pytorch"
+    with pytest.raises(RuntimeError, match="inside"):
+        with dispatch.spec_masks():
+            raise RuntimeError("inside")
+    assert picked() == "pytorch"
+
+
 def test_no_backend_can_run_lists_every_reason():
     x = torch.empty(4, 16, device="meta")
     with pytest.raises(

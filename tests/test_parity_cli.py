@@ -118,3 +118,24 @@ def test_pytorch_backend_passes_in_every_dtype(capsys, clean_cache):
     for op in ("bias_act_dropout", "fused_linear", "fused_mlp"):
         assert any(line.split()[:3] == ["pytorch", op, "float64"] and line.rstrip().endswith("PASS")
                    for line in out.splitlines()), op  # fmt: skip
+
+
+def test_a_picked_backend_cut_by_the_budget_is_incomplete(capsys, monkeypatch, clean_cache):
+    """Where this device's table picks a backend whose cases the budget cut, the verdict is not
+    'passed': 'incomplete', exit code 2, with the command that checks it fully."""
+    register(monkeypatch, twin("slow"))
+    monkeypatch.setattr(parity, "picked_backends", lambda device: {"slow", "pytorch"})
+    assert parity.main(["--quick", "--backends", "eager", "slow", "--budget", "1e-9"]) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].startswith("incomplete on ")
+    assert out[-1].startswith("incomplete: this device's table picks slow") and "--budget 0" in out[-1]
+
+
+def test_picked_backends_reads_the_table(user_dir):
+    from dispatch import heuristics
+    from table_docs import valid_document
+
+    heuristics.save_table(valid_document(), os.path.join(str(user_dir), heuristics.device_info(
+        torch.device("cpu"))["slug"] + ".json"))  # fmt: skip
+    heuristics.reload()
+    assert parity.picked_backends(torch.device("cpu")) >= {"eager"}

@@ -3,6 +3,7 @@ count, skipped files and broken settings named by ``python -m dispatch.info`` an
 without GPU words, the table printer's choices; the heuristics package as an index of its modules."""
 
 import os
+import tempfile
 import subprocess
 import sys
 import warnings
@@ -210,3 +211,13 @@ def test_the_table_printer_lists_the_valid_activations(capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice: 'foo'" in err and "gelu_tanh" in err and "squared_relu" in err, err
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu_tanh", "relu"])
+def test_the_table_printer_takes_every_activation_an_op_has(capsys, activation):
+    """Gates are activations of fused_mlp: the filter accepts every name an op declares."""
+    from table_docs import valid_document
+
+    path = os.path.join(tempfile.mkdtemp(), "t.json")
+    heuristics.save_table(valid_document(), path)
+    assert table_cli.main(["--gpu", path, "--activation", activation]) in (0, None)

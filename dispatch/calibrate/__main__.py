@@ -169,6 +169,13 @@ def _summary(doc: Document, out: str, seconds: float, kept: str) -> list[str]:
         f"{len(doc['entries'])} entries; wrote {out}{extend}",
         kept,
     ]
+    cut = {label: f["series_left"] for label, f in (st.get("families") or {}).items() if f.get("series_left")}
+    if cut:
+        listed = ", ".join(f"{label} ({n} series)" for label, n in sorted(cut.items()))
+        again = " ".join(a for a in sys.argv[1:] if a != "--resume") if sys.argv[0].endswith("__main__.py") else ""
+        lines.append(f"not measured, the budget ran out: {listed}. Their calls run on plain PyTorch (explain() "
+                     f"says 'not measured here'); measure them with: python -m dispatch.calibrate "
+                     f"{again + ' ' if again else ''}--resume")  # fmt: skip
     default = os.path.join(heuristics.user_dir(), doc["device"]["slug"] + ".json")
     where = "" if os.path.abspath(out) == os.path.abspath(default) else f" --gpu {out}"
     lines.append(f"the choice tables: python -m dispatch.table{where}")

@@ -13,6 +13,8 @@ torch.compile, does. A key already compiled runs without it.
 from __future__ import annotations
 
 import threading
+import time
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Mapping, NamedTuple
 
@@ -23,6 +25,11 @@ from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.contracts.backend import Backend, Kernels
 
 COMPILE_LOCK = getattr(torch._dynamo.convert_frame, "compile_lock", None) or threading.RLock()
+NOTICE_S = 1.0  # a first call that compiles longer than this says so: a stall with no word looks like a hang
+
+
+class CompileNotice(UserWarning):
+    """A call compiled a new kind of call for more than ``NOTICE_S`` seconds (said once per kind)."""
 
 
 def backend(
@@ -42,6 +49,14 @@ def backend(
         compiles=True,
         **declared,
     )
+
+
+def _notice(key: Hashable, seconds: float) -> None:
+    if seconds > NOTICE_S:
+        fn = key[0] if isinstance(key, tuple) and key and callable(key[0]) else None
+        what = f" {getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}" if fn else ""
+        warnings.warn(f"dispatch: a new kind of call compiled{what} in {seconds:.1f} s (once per kind; later "
+                      "calls of it reuse the graph)", CompileNotice, stacklevel=4)  # fmt: skip
 
 
 class CacheInfo(NamedTuple):
@@ -69,8 +84,10 @@ class CompiledCache:
             with COMPILE_LOCK:
                 compiled = self._compiled.get(key)  # another thread may have compiled it meanwhile
                 if compiled is None:
+                    start = time.monotonic()
                     compiled, out = compile_and_run()
                     self._add(key, compiled)
+                    _notice(key, time.monotonic() - start)
                     return out
         try:
             self._compiled.move_to_end(key)
