@@ -6,12 +6,13 @@
 #                             ${SITE:-/tmp/site}, put on PYTHONPATH for the later stages
 #   env                       GPU clocks and power, versions, python -m dispatch.info
 #   gputests                  pytest -m gpu -n ${GPU_N:-8} over ${GPU_TESTS:-tests} (-k "$GPU_K" if set;
-#                             GPU_N=0: one process)
+#                             GPU_N=0: one process), each test stopped after ${GPU_TIMEOUT:-60} s
 #   cputests                  the whole suite, stop at the first failure
 #   pytest                    pytest $PYTEST_ARGS (re-parsed by a shell: quoted -k expressions survive)
 #   parity                    python -m dispatch.parity --quick
 #   bench_bias_act_dropout, bench_fused_linear, bench_dispatch_overhead, bench_e2e, bench_mlp,
-#   bench_e2e_llama           benchmarks/<stage>.py --out $R, then $ARGS_<stage> or else $BENCH_ARGS
+#   bench_e2e_llama, bench_judge, bench_add_norm
+#                             benchmarks/<stage>.py --out $R, then $ARGS_<stage> or else $BENCH_ARGS
 #   benchmarks                the four benchmarks with --quick, one after another
 #   calfull                   the full calibration into calibrate_points-<gpu>$CAL_TAG.json (raw points) and
 #                             dispatch/heuristics/tables/<gpu>.json (slim: later stages of the call use it), budget =
@@ -36,7 +37,9 @@ mkdir -p "$R/tables"
 # calibrate writes its table here and later stages use it (a folder of its own: the loader reads every
 # .json in it, and the other results are not tables)
 export DISPATCH_HEURISTICS_DIR="${DISPATCH_HEURISTICS_DIR:-$R/tables}"
-TABLE="$DISPATCH_HEURISTICS_DIR/nvidia-h200.json"
+SLUG=$(python3 -c "import torch; from dispatch import heuristics as h
+print(h.device_info(torch.device('cuda' if torch.cuda.is_available() else 'cpu'))['slug'])" 2>/dev/null)
+TABLE="$DISPATCH_HEURISTICS_DIR/$SLUG.json"
 CALL_S=${CALL_S:-585}
 summary=()
 
@@ -97,12 +100,13 @@ for arg in "$@"; do
     gputests)
       n=${GPU_N:-8}
       [ "$n" = 0 ] && n=
-      stage gputests "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 ${n:+-n "$n"} \
-        ${GPU_K:+-k "$GPU_K"} ${GPU_TESTS:-tests} ;;
+      stage gputests "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=25 -rfE \
+        --timeout "${GPU_TIMEOUT:-60}" ${n:+-n "$n"} ${GPU_K:+-k "$GPU_K"} ${GPU_TESTS:-tests} ;;
     cputests) stage cputests "$limit" python3 -m pytest -q -p no:cacheprovider -x tests ;;
     pytest) stage pytest "$limit" bash -c "python3 -m pytest -q -p no:cacheprovider -rfE ${PYTEST_ARGS:?}" ;;
     parity) stage parity "$limit" python3 -m dispatch.parity --quick ;;
-    bench_bias_act_dropout | bench_fused_linear | bench_dispatch_overhead | bench_e2e | bench_mlp | bench_e2e_llama)
+    bench_bias_act_dropout | bench_fused_linear | bench_dispatch_overhead | bench_e2e | bench_mlp | bench_e2e_llama | \
+      bench_judge | bench_add_norm)
       own="ARGS_$name"
       # shellcheck disable=SC2086  (a list of arguments)
       stage "$name" "$limit" python3 "benchmarks/$name.py" --out "$R" ${!own:-${BENCH_ARGS:-}} ;;
@@ -113,11 +117,11 @@ for arg in "$@"; do
     calibrate_resume) cp "${RESUME_FROM:?}" "$TABLE"; stage calibrate_resume "$limit" python3 -m dispatch.calibrate --resume --budget $((limit - 60)) --out "$TABLE" ;;
     # REFRESH holds the selecting arguments, e.g. "--ops bias_act_dropout --modes training"
     refresh)
-      [ -f "$TABLE" ] || cp dispatch/heuristics/tables/nvidia-h200.json "$TABLE"
+      [ -f "$TABLE" ] || cp "dispatch/heuristics/tables/$SLUG.json" "$TABLE"
       # shellcheck disable=SC2086
       stage refresh "$limit" python3 -m dispatch.calibrate --refresh ${REFRESH:?} --budget $((limit - 45)) --out "$TABLE" ;;
     table) stage table "$limit" python3 -m dispatch.table --gpu "$TABLE" ;;
-    heldout) stage heldout "$limit" python3 benchmarks/bench_heldout.py --table dispatch/heuristics/tables/nvidia-h200.json \
+    heldout) stage heldout "$limit" python3 benchmarks/bench_heldout.py --table "dispatch/heuristics/tables/$SLUG.json" \
       --budget $((limit > 120 ? limit - 90 : 30)) --out "$R/heldout.json" ;;
     *) echo "unknown stage $name" ;;
   esac

@@ -21,6 +21,7 @@ import argparse
 import itertools
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -29,6 +30,7 @@ from tabulate import tabulate
 
 from dispatch import cases
 from dispatch import ops
+from dispatch.contracts.compiled import CompileNotice
 from dispatch.registry import backends
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -216,6 +218,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "where compiling backends take ~10 s per case; unlimited otherwise; 0: unlimited)",
     )
     args = p.parse_args(argv)
+    warnings.simplefilter("ignore", CompileNotice)  # compiling every kind is what this command does
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     budget = (
         args.budget if args.budget is not None else (45.0 if args.quick and device.type == "cpu" else None)

@@ -22,6 +22,7 @@ import datetime
 import os
 import sys
 import time
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -32,6 +33,7 @@ from dispatch.calibrate import report, warm
 from dispatch.calibrate.plan import BASELINE, MODES, Family, Plan, default_plan, family_order
 from dispatch.calibrate.run import Run, Settings
 from dispatch.calibrate.series import dtype_name
+from dispatch.contracts.compiled import CompileNotice
 from dispatch.heuristics import DeviceInfo, Document, EntryId, EntryRecord
 from dispatch.registry import backends
 from dispatch.table import runs_of
@@ -193,6 +195,7 @@ def _bandwidth_gbs(device: torch.device) -> Optional[float]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    warnings.simplefilter("ignore", CompileNotice)  # compiling every kind is what this command does
     if args.agree and not args.refit:
         sys.exit("--agree compares a refitted calibration with another: give --refit RAW too")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks would each measure and write the same table
