@@ -120,7 +120,11 @@ def check(plain: nn.Module, fused: nn.Module, x: torch.Tensor, gy: torch.Tensor)
 
 
 def measure(runs: dict[str, timing.Fn], device: torch.device, rounds: int, rep_ms: float) -> dict:
-    """Per entry the median GPU and wall microseconds over interleaved rounds."""
+    """Per entry, its median time on each clock and the median over rounds of its time / plain's in the
+    same round. Rounds rotate the order (A B C, B C A, C A B: each entry in each place equally often,
+    ``rounds`` a multiple of the entries), so a clock that sags under sustained load (the H100 did,
+    2026-12-06: an entry never timed first read 3-6% slow against the same kernels) biases none; the
+    wall clock, cheap, takes three times the rounds."""
     for fn in runs.values():
         fn()
     timing.synchronize(device)
@@ -130,14 +134,21 @@ def measure(runs: dict[str, timing.Fn], device: torch.device, rounds: int, rep_m
         fn()
         timing.synchronize(device)
         first[name] = (time.perf_counter() - start) * 1e3
-    got = {name: {"gpu": [], "wall": []} for name in runs}
-    for _, name in timing.rotations(list(runs), rounds):
-        fn = runs[name]
-        if device.type == "cuda":
-            got[name]["gpu"].append(timing.gpu_ms(fn, rep_ms / rounds) * 1e3)
-        count = max(3, min(200, int(rep_ms / rounds / max(first[name], 1e-3))))
-        got[name]["wall"].append(timing.back_to_back_ms(fn, (), count, device) * 1e3)
-    return {n: {c: statistics.median(v) if v else None for c, v in clocks.items()} for n, clocks in got.items()}
+    got: dict[str, dict[str, dict[int, float]]] = {name: {"gpu": {}, "wall": {}} for name in runs}
+    if device.type == "cuda":
+        for r, name in timing.rotations(list(runs), rounds):
+            got[name]["gpu"][r] = timing.gpu_ms(runs[name], rep_ms / rounds) * 1e3
+    for r, name in timing.rotations(list(runs), 3 * rounds):
+        count = max(3, min(200, int(rep_ms / (3 * rounds) / max(first[name], 1e-3))))
+        got[name]["wall"][r] = timing.back_to_back_ms(runs[name], (), count, device) * 1e3
+    out: dict[str, dict] = {}
+    for name, clocks in got.items():
+        for clock, by_round in clocks.items():
+            base = got["plain"][clock]
+            out.setdefault(name, {})[clock] = statistics.median(by_round.values()) if by_round else None
+            ratios = [t / base[r] for r, t in by_round.items() if base.get(r)]
+            out[name][f"{clock}_ratio"] = statistics.median(ratios) if ratios else None
+    return out
 
 
 def row(name: str, m: int, mode: str, args, device: torch.device) -> dict:
@@ -155,12 +166,10 @@ def row(name: str, m: int, mode: str, args, device: torch.device) -> dict:
     runs = {"plain": step(plain, x, gy, mode), "patched": step(fused, x, gy, mode),
             "no-table": step(fused, x, gy, mode, lambda: use_backend("pytorch"))}  # fmt: skip
     for entry, clocks in measure(runs, device, args.rounds, args.rep_ms).items():
-        for clock, us in clocks.items():
-            out[f"{clock}_us:{entry}"] = us
-    for entry in ("patched", "no-table"):
         for clock in ("gpu", "wall"):
-            a, b = out.get(f"{clock}_us:{entry}"), out.get(f"{clock}_us:plain")
-            out[f"{clock}_ratio:{entry}"] = a / b if a and b else None
+            out[f"{clock}_us:{entry}"] = clocks[clock]
+            if entry != "plain":
+                out[f"{clock}_ratio:{entry}"] = clocks[f"{clock}_ratio"]
     return out
 
 
@@ -192,7 +201,7 @@ def main() -> None:
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--models", help="comma-separated, of " + ", ".join(MODELS))
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="GPU-clock rounds, a multiple of the 3 entries")
     p.add_argument("--rep-ms", type=float, default=90.0, help="ms per entry and clock over all rounds")
     p.add_argument("--budget-s", type=float, default=1e9, help="start no row after this many seconds")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU (wall clock only)")

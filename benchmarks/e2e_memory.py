@@ -118,13 +118,14 @@ def memory_cap(gib: float, device: torch.device) -> Iterator[Optional[float]]:
     if device.type != "cuda" or not gib:
         yield None
         return
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = device.index if device.index is not None else torch.cuda.current_device()  # the setter needs one
+    total = torch.cuda.get_device_properties(index).total_memory
     fraction = min(1.0, gib * 2**30 / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     try:
         yield fraction
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
 
 
 def fits(
