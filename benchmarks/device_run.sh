@@ -18,7 +18,8 @@
 #                             dispatch/heuristics/tables/<gpu>.json (slim: later stages of the call use it), budget =
 #                             the stage's limit - 40 s; fresh, or with CAL_RESUME=1 extending the raw file the
 #                             working tree carries at benchmarks/results/ (copied there from an earlier call's
-#                             $OUT); both tables also to $OUT, the choice tables to the tarball; CAL_ARGS adds
+#                             $OUT), or with CAL_REFRESH=1 measuring CAL_ARGS's families again into it (the
+#                             rest kept); both tables also to $OUT, the choice tables to the tarball; CAL_ARGS adds
 #                             arguments (e.g. "--quick" for a CPU check)
 #   calibrate                 the full calibration into $R/tables, budget = the stage's limit - 60 s
 #   calibrate_quick           python -m dispatch.calibrate --quick
@@ -61,7 +62,9 @@ calfull() {  # calfull SECONDS: the full calibration, fresh or (CAL_RESUME=1) ex
 print(h.device_info(torch.device('cuda' if torch.cuda.is_available() else 'cpu'))['slug'])")
   raw=benchmarks/results/calibrate_points-$gpu${CAL_TAG:-}.json
   slim=dispatch/heuristics/tables/$gpu.json
-  if [ "${CAL_RESUME:-0}" = 1 ]; then
+  if [ "${CAL_REFRESH:-0}" = 1 ]; then  # the selected families (CAL_ARGS) measured again, the rest kept
+    :
+  elif [ "${CAL_RESUME:-0}" = 1 ]; then
     if [ ! -f "$raw" ]; then
       echo "CAL_RESUME=1: no $raw here (copy it from the last call's \$OUT)"
       summary+=("calfull: no $raw to resume")
@@ -72,7 +75,8 @@ print(h.device_info(torch.device('cuda' if torch.cuda.is_available() else 'cpu')
   fi
   # shellcheck disable=SC2046,SC2086  (--resume or nothing; CAL_ARGS a list of arguments)
   stage calfull "$1" python3 -m dispatch.calibrate --budget $(($1 > 80 ? $1 - 40 : 40)) --out "$raw" \
-    --slim-out "$slim" $([ "${CAL_RESUME:-0}" = 1 ] && echo --resume) ${CAL_ARGS:-}
+    --slim-out "$slim" $([ "${CAL_RESUME:-0}" = 1 ] && echo --resume) \
+    $([ "${CAL_REFRESH:-0}" = 1 ] && echo --refresh) ${CAL_ARGS:-}
   cp "$raw" "$slim" "$OUT/" 2>/dev/null
   python3 -m dispatch.table --gpu "$slim" >"$R/choice_tables.txt" 2>&1
   grep -A1 "^self-check on" "$R/calfull.stage.log"
