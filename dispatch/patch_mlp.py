@@ -39,6 +39,11 @@ _HF_ACTIVATIONS = {
     "LinearActivation": "identity",
 }
 
+# Hugging Face activations that compute gelu_tanh by its formula in Python, seven or more kernels a call
+# (GPT-2's gelu_new): a patched block runs torch's one-kernel gelu_tanh in their place, the same function
+# within rounding, which is what the calibration times as plain PyTorch.
+_FORMULAS = ("NewGELUActivation", "FastGELUActivation")
+
 _GATE_OF = {act: gate for gate, act in GATES.items()}  # a gate's activation -> the gated name: silu -> swiglu
 
 # Gated MLPs down(act(gate(x)) * up(x)), by the (gate, up, down) attribute names of their linear layers.
@@ -180,8 +185,9 @@ def build(block: nn.Module, spec: Block) -> FusedMLP | str:
     fc1 = layers[0] if len(layers) == 2 else tuple(layers[:2])
     try:
         fused = FusedMLP.from_linears(
-            fc1, activation, layers[-1], p, p_out, names=(*spec.inner, spec.out), activation_module=act
-        )
+            fc1, activation, layers[-1], p, p_out, names=(*spec.inner, spec.out),
+            activation_module=None if type(act).__name__ in _FORMULAS else act,
+        )  # fmt: skip
     except ValueError as error:  # layers whose shapes do not chain
         return str(error)
     return fused.train(block.training)

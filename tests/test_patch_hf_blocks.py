@@ -97,15 +97,23 @@ def run(module: nn.Module, x: torch.Tensor, seed: int) -> tuple[torch.Tensor, ..
     return (y, *grads)
 
 
+FORMULAS = ("GPT2MLP", "GPTJMLP")  # gelu_new, the tanh formula in seven ops: torch's gelu_tanh runs instead
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_plain_pytorch_is_the_module_to_the_bit(name, seed):
+    """To the bit, in training with dropout too; where the module computes gelu_tanh by its Python
+    formula (gelu_new), torch's one-kernel gelu_tanh runs instead: the same function within rounding."""
     original, fused = patched_pair(name)
     assert "pytorch" in str(fused.explain(torch.randn(*TOKENS, H)).backend.name)
     for train in (True, False):
         original.train(train), fused.train(train)
         x = torch.randn(*TOKENS, H, requires_grad=True)
         for got, want in zip(run(fused, x, seed), run(original, x, seed)):
-            assert torch.equal(got, want)
+            if name in FORMULAS:
+                assert_same(got, want)
+            else:
+                assert torch.equal(got, want)
 
 
 def _ops(module: nn.Module, x: torch.Tensor) -> list[str]:
@@ -132,8 +140,12 @@ def test_plain_pytorch_launches_and_keeps_what_the_module_does(name):
     original, fused = patched_pair(name)
     original.train(), fused.train()
     x = torch.randn(*TOKENS, H, requires_grad=True)
-    ops = _ops(fused, x)
-    assert ops == _ops(original, x)
+    ops, theirs = _ops(fused, x), _ops(original, x)
+    if name in FORMULAS:  # one gelu kernel forward, one backward, in place of the formula's ops
+        assert ops.count("aten::gelu") == 1 and "aten::tanh" in theirs and "aten::tanh" not in ops
+        assert len(ops) < len(theirs)
+        return
+    assert ops == theirs
     if fused.gate_layout == "pair":
         assert "aten::cat" not in ops  # no stacked copy of a (gate, up) pair
     assert _saved(fused, x) == _saved(original, x)
@@ -166,7 +178,7 @@ def test_pair_on_the_pytorch_backend_stacks_nothing():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["GPT2MLP", "LlamaMLP"])
+@pytest.mark.parametrize("name", ["GPTNeoXMLP", "LlamaMLP", "Phi3MLP"])
 def test_plain_pytorch_launches_the_module_kernels_on_the_gpu(name):
     """The CUDA kernels of a training step, forward and backward, by name and order: the module's own."""
     original, fused = patched_pair(name)
