@@ -5,7 +5,7 @@ projection yields [gate; up], gate rows first, from one stacked (2F, H) weight o
 In order: the call object and its checks, how a call runs on kernels (inference, torch's autograd, or
 the autograd Function that regenerates both dropout masks in backward), the torch.library custom op a
 compiled graph keeps, the spec with its calibration inputs, and the public function. The block's
-definition (the ``Block`` kernels take, their signatures, the reference and baseline math) is
+definition (the ``MLPOperands`` kernels take, their signatures, the reference and baseline math) is
 ``fused_mlp_math.py``, the room's other file.
 """
 
@@ -26,10 +26,10 @@ from dispatch.contracts.op import (
     Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads, torch_keep,
 )  # fmt: skip
 from dispatch.ops.fused_mlp_math import (
-    BASELINE_KERNELS, TENSORS, Block, baseline, cast, composite_runner, reference,
+    BASELINE_KERNELS, TENSORS, MLPOperands, baseline, cast, composite_runner, reference,
 )  # fmt: skip
 
-__all__ = ["TENSORS", "Block", "FusedMLPCall", "fused_mlp", "parse", "reference"]
+__all__ = ["TENSORS", "MLPOperands", "FusedMLPCall", "fused_mlp", "parse", "reference"]
 
 NAME = "fused_mlp"
 _grad_enabled = torch.is_grad_enabled
@@ -38,7 +38,7 @@ _grad_enabled = torch.is_grad_enabled
 class FusedMLPCall(OpCall):
     __slots__ = ("block", "generator", "x_shape", "flat")
 
-    def __init__(self, call: Call, block: Block, generator: Optional[torch.Generator],
+    def __init__(self, call: Call, block: MLPOperands, generator: Optional[torch.Generator],
                  x_shape: torch.Size, flat: bool) -> None:  # fmt: skip
         super().__init__(call, block.p == 1.0 or block.p_out == 1.0)  # every element dropped: SPEC.special
         self.block, self.generator, self.x_shape = block, generator, x_shape
@@ -122,7 +122,7 @@ def parse(
         or (w_up is not None and (w_up.requires_grad or (b_up is not None and b_up.requires_grad)))
     )  # fmt: skip
     call = Call(NAME, device, dtype, (m, h, f), activation, p > 0 or p_out > 0, grad)
-    block = Block(rows, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
+    block = MLPOperands(rows, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
     return FusedMLPCall(call, block, generator, x_shape, flat)
 
 
@@ -134,7 +134,7 @@ class FusedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, kernels, settings, rngs, *tensors):  # type: ignore[override]
-        block = Block(*tensors, *settings)
+        block = MLPOperands(*tensors, *settings)
         y, saved = kernels.forward(block, rngs)
         ctx.kernels, ctx.settings, ctx.rngs, ctx.n_saved = kernels, settings, rngs, len(saved)
         ctx.save_for_backward(*tensors, *saved)
@@ -144,7 +144,7 @@ class FusedMLP(torch.autograd.Function):
     def backward(ctx: Any, grad_y):  # type: ignore[override]
         kept = ctx.saved_tensors
         tensors, saved = kept[: len(TENSORS)], kept[len(TENSORS) :]
-        block = Block(*tensors, *ctx.settings)
+        block = MLPOperands(*tensors, *ctx.settings)
         needs = tuple(ctx.needs_input_grad[3:])
         if torch.is_grad_enabled():  # create_graph=True: the reference, same masks
             dtype = compute_dtype(block.x.dtype)
@@ -193,7 +193,7 @@ def runner(kernels: Kernels, call: Call) -> Callable[[FusedMLPCall], Tensor]:
 _EMPTY = (0,)
 
 
-def _kernels(b: Block, training: bool, backend: str) -> Kernels:
+def _kernels(b: MLPOperands, training: bool, backend: str) -> Kernels:
     """The kernels a graph's call runs on, chosen as it runs: ones that take the spec's rngs the graph
     drew (``select.kernels``: a graph traced under ``use_backend()`` may run outside it)."""
     m, h = b.x.shape
@@ -208,7 +208,7 @@ def _custom(x: Tensor, w_in: Tensor, w_up: Optional[Tensor], b_in: Optional[Tens
             rng_hidden: Optional[Tensor], rng_out: Optional[Tensor], backend: str,
             training: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(y, pre): the first projection's output kept for backward, empty without autograd."""
-    b = Block(x, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
+    b = MLPOperands(x, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
     kernels = _kernels(b, training, backend)
     if not training:
         return kernels.inference(b, (rng_hidden, rng_out)), x.new_empty(_EMPTY)
@@ -227,7 +227,7 @@ def _custom_backward(grad_y: Tensor, x: Tensor, w_in: Tensor, w_up: Optional[Ten
                      b_up: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], pre: Tensor,
                      activation: str, p: float, p_out: float, rng_hidden: Optional[Tensor],
                      rng_out: Optional[Tensor], needs: list[bool], backend: str) -> list[Tensor]:  # fmt: skip
-    b = Block(x, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
+    b = MLPOperands(x, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
     grads = _kernels(b, True, backend).backward(grad_y, b, (rng_hidden, rng_out), (pre,), tuple(needs))
     # an output may alias no other: the halves of one stacked gradient (a pair's biases) are copied
     return [x.new_empty(_EMPTY) if g is None else g.clone() if g._base is not None else g for g in grads]
@@ -326,7 +326,7 @@ class FusedMLPSpec(OpSpec):
         x, w_in, b_in, w_out, b_out = leaves
         p, p_out = (case.p, case.p) if case.dropout else (0.0, 0.0)
         if backend is None:
-            return baseline(Block(x, w_in, None, b_in, None, w_out, b_out, case.activation, p, p_out))
+            return baseline(MLPOperands(x, w_in, None, b_in, None, w_out, b_out, case.activation, p, p_out))
         gen = (
             torch.Generator(device=case.device).manual_seed(seed + 1)
             if case.dropout and seed is not None
@@ -340,7 +340,7 @@ class FusedMLPSpec(OpSpec):
                        torch_masks: bool = False) -> Tensor:  # fmt: skip
         x, w_in, b_in, w_out, b_out = leaves
         p = case.p if case.dropout else 0.0
-        block = Block(x, w_in, None, b_in, None, w_out, b_out, case.activation, p, p)
+        block = MLPOperands(x, w_in, None, b_in, None, w_out, b_out, case.activation, p, p)
         if not case.dropout:
             return reference(block, upcast=True)
         gen = torch.Generator(device=case.device).manual_seed(seed + 1)

@@ -10,7 +10,7 @@ Files, by role: ``bias_act_dropout.py`` (kernels, launch settings, launchers), `
 (training on cuBLAS products, relu in cuBLASLt's epilogue, and bias_act_dropout's passes, inference
 on the matmul of ``matmul.py``: its kernels, tile configs and ``launch``; a column-sum pass for
 identity's grad_b) and ``fused_mlp.py`` (cuBLAS products around the hidden layer's passes of
-``gate.py`` and bias_act_dropout's, or in its "epilogues" variant the products that carry that work
+``mlp_hidden.py`` and bias_act_dropout's, or in its "epilogues" variant the products that carry that work
 on ``mlp_gemm.py``'s persistent GEMMs) serve one op each; ``activations.py`` (the activation table) and
 ``philox.py`` (the dropout RNG spec) are the jitted helpers the kernels share; ``launch.py`` caches
 compiled kernels for cheap launches.
