@@ -1,6 +1,6 @@
 """Which backend runs a call: the ``backend=`` argument > ``use_backend()`` > ``DISPATCH_BACKEND`` >
-the heuristic table of this GPU > the first able backend in ``dispatch.backends.NAMES``' order (plain
-PyTorch first) where no table answers or its pick cannot serve the call.
+the heuristic table of this GPU > the first able backend in the backends' order (``Backend.order``:
+plain PyTorch first) where no table answers or its pick cannot serve the call.
 
 Decisions are cached per call signature (``key``), so the steady-state cost is one dictionary lookup.
 ``DISPATCH_BACKEND`` is read at import; after changing it in a running process, call ``clear_cache()``.
@@ -122,8 +122,8 @@ def kernels(call: Call, backend: Optional[str]) -> Kernels:
     """The kernels that serve ``call`` as a custom op of a compiled graph runs it. The graph drew the
     spec's rngs and keeps the op's saved tensors, so where the decision names kernels that cannot
     take them (torch's masks, whose composite keeps nothing for a backward of its own; a chaining
-    backend's, which take a generator) the first able backend in ``dispatch.backends.NAMES``' order
-    whose kernels can serves it (the reference, eager)."""
+    backend's, which take a generator) the first able backend in the backends' order whose kernels
+    can serve it (the reference, eager)."""
     found = decision(key(call, backend)).backend.kernels_for(call.op)
     if found.masks == "spec":
         return found
@@ -239,8 +239,8 @@ def capture_pick(
 
 
 def _first_able(reasons: Mapping[str, list[str]]) -> Optional[str]:
-    """The first backend in ``dispatch.backends.NAMES``' order that can serve the call: plain PyTorch,
-    then the reference, then the fused kernels."""
+    """The first backend in the backends' order (``Backend.order``) that can serve the call: plain
+    PyTorch, then the reference, then the fused kernels."""
     return next((name for name, why in reasons.items() if not why), None)
 
 

@@ -3,9 +3,10 @@ backend's declaration of what it supports (``Backend``). Imports nothing of ours
 contracts.
 
 A backend is one folder under ``dispatch/backends/`` whose ``__init__`` builds a :class:`Backend` named
-``BACKEND``; ``dispatch.registry`` collects them. For each op it implements it gives one kernels
-object, of the protocol the op's spec defines (``dispatch/ops/<op>.py``: ``Kernels``); a backend that
-serves every op (eager: the spec's reference; pytorch: its baseline) builds them from the spec.
+``BACKEND``; ``dispatch.registry`` finds and collects them. For each op it implements it gives one
+kernels object, of the protocol the op's spec defines (``dispatch/ops/<op>.py``: ``Kernels``), in its
+own ``<op>.py`` (``dispatch.ops.KernelFiles``); a backend that serves every op (eager: the spec's
+reference; pytorch: its baseline) builds them from the spec where it has no such file.
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ class Backend:
     generic: Callable[[str], Optional[Kernels]] = _no_generic
     # Dropout masks from torch's RNG (as nn.Dropout), not dispatch.contracts.rng's spec.
     torch_masks: bool = False
+    # The backend's place in the one order of backends (``dispatch.backends``), lowest first.
+    order: int = 1000
 
     def display_name(self) -> str:
         detail = self.label()

@@ -10,6 +10,7 @@ other contracts.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -103,6 +104,10 @@ class OpSpec:
     @property
     def feature_dims(self) -> int:
         return len(self.dims) - 1
+
+    def function(self) -> Callable[..., Tensor]:
+        """The public function: the one named ``public_name`` in the spec's module."""
+        return getattr(sys.modules[type(self).__module__], self.public_name)
 
     def parse(self, *args: Any, **kwargs: Any) -> OpCall:
         """The checked call: raises a clear error naming the first bad argument."""
