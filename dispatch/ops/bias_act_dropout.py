@@ -22,6 +22,7 @@ from dispatch.contracts.op import (
 from dispatch.contracts.rng import Rng
 
 NAME = "bias_act_dropout"
+TRAITS = ("activation", "dropout")  # a call's, past its sizes and dtype: what decisions key on
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -57,7 +58,7 @@ def parse(
         x, bias, activation, p, training, generator
     )
     grad = _grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-    call = Call(NAME, device, dtype, shape, activation, dropout and p < 1.0, grad)
+    call = Call(NAME, device, dtype, shape, grad, TRAITS, (activation, dropout and p < 1.0))
     size = x.shape
     return BiasActDropoutCall(
         call, x, bias, activation, p if dropout else 0.0, dropout, generator, size, len(size) == 2
@@ -233,7 +234,7 @@ def _empty_if_none(t: Optional[Tensor], like: Tensor) -> Tensor:
 
 
 def _kernels(x: Tensor, activation: str, dropout: bool, training: bool, backend: str) -> Any:
-    call = Call(NAME, x.device, x.dtype, tuple(x.shape), activation, dropout, training)
+    call = Call(NAME, x.device, x.dtype, tuple(x.shape), training, TRAITS, (activation, dropout))
     return ops.dispatcher().kernels(call, backend or None)
 
 
@@ -295,8 +296,8 @@ class BiasActDropoutSpec(OpSpec):
     name = NAME
     public_name = "fused_bias_act_dropout"
     dims = ("M", "N")
+    traits = TRAITS
     activations = ACTIVATION_NAMES
-    dropout = True
     grid = Grid(
         features=((3072,), (768,), (4096,), (14336,), (28672,)),  # GPT-2 MLP and hidden, LLaMA
         quick={"cuda": ((3072,), (4096,), (14336,)), "cpu": ((3072,), (768,))},

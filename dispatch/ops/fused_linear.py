@@ -21,6 +21,7 @@ from dispatch.contracts.backend import Call, Kernels, composite_kernels
 from dispatch.contracts.op import Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads
 
 NAME = "fused_linear"
+TRAITS = ("activation",)  # a call's, past its sizes and dtype: what decisions key on
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -50,9 +51,8 @@ def parse(x: object, weight: object, bias: object = None, activation: object = "
     grad = _grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    return FusedLinearCall(
-        Call(NAME, device, dtype, shape, activation, False, grad), x, weight, bias, activation, flat
-    )
+    call = Call(NAME, device, dtype, shape, grad, TRAITS, (activation,))
+    return FusedLinearCall(call, x, weight, bias, activation, flat)
 
 
 def rows(c: FusedLinearCall) -> Tensor:
@@ -218,9 +218,8 @@ def _empty_if_none(t: Optional[Tensor], like: Tensor) -> Tensor:
 
 
 def _kernels(x: Tensor, weight: Tensor, activation: str, training: bool, backend: str) -> Kernels:
-    call = Call(
-        NAME, x.device, x.dtype, (x.shape[0], weight.shape[0], x.shape[1]), activation, False, training
-    )
+    shape = (x.shape[0], weight.shape[0], x.shape[1])
+    call = Call(NAME, x.device, x.dtype, shape, training, TRAITS, (activation,))
     return ops.dispatcher().kernels(call, backend or None)
 
 
@@ -282,8 +281,8 @@ class FusedLinearSpec(OpSpec):
     name = NAME
     public_name = "fused_linear"
     dims = ("M", "N", "K")
+    traits = TRAITS
     activations = ACTIVATION_NAMES
-    dropout = False
     grid = Grid(
         features=(
             (3072, 768),  # GPT-2 / BERT / ViT-B up

@@ -32,6 +32,7 @@ from dispatch.ops.fused_mlp_math import (
 __all__ = ["TENSORS", "MLPOperands", "FusedMLPCall", "fused_mlp", "parse", "reference"]
 
 NAME = "fused_mlp"
+TRAITS = ("activation", "dropout")  # a call's, past its sizes and dtype: what decisions key on
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -121,7 +122,7 @@ def parse(
         or (b_in is not None and b_in.requires_grad) or (b_out is not None and b_out.requires_grad)
         or (w_up is not None and (w_up.requires_grad or (b_up is not None and b_up.requires_grad)))
     )  # fmt: skip
-    call = Call(NAME, device, dtype, (m, h, f), activation, p > 0 or p_out > 0, grad)
+    call = Call(NAME, device, dtype, (m, h, f), grad, TRAITS, (activation, p > 0 or p_out > 0))
     block = MLPOperands(rows, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
     return FusedMLPCall(call, block, generator, x_shape, flat)
 
@@ -198,7 +199,8 @@ def _kernels(b: MLPOperands, training: bool, backend: str) -> Kernels:
     drew (``select.kernels``: a graph traced under ``use_backend()`` may run outside it)."""
     m, h = b.x.shape
     dropout = b.p > 0 or b.p_out > 0
-    call = Call(NAME, b.x.device, b.x.dtype, (m, h, b.w_out.shape[1]), b.activation, dropout, training)
+    shape = (m, h, b.w_out.shape[1])
+    call = Call(NAME, b.x.device, b.x.dtype, shape, training, TRAITS, (b.activation, dropout))
     return ops.dispatcher().kernels(call, backend or None)
 
 
@@ -265,8 +267,8 @@ class FusedMLPSpec(OpSpec):
     name = NAME
     public_name = "fused_mlp"
     dims = ("M", "H", "F")
+    traits = TRAITS
     activations = (*ACTIVATION_NAMES, *GATED_NAMES)
-    dropout = True
     grid = Grid(
         features=((768, 3072), (1024, 4096), (896, 4864), (4096, 11008)),  # GPT-2, BERT-large, Qwen2, LLaMA-2
         quick={"cuda": ((768, 3072), (4096, 11008)), "cpu": ((64, 256),)},
