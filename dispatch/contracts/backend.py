@@ -11,6 +11,7 @@ reference; pytorch: its baseline) builds them from the spec where it has no such
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
@@ -71,6 +72,11 @@ class Call(_CallFields):
         ]
         mode = "training" if self.training else "inference"
         return f"{self.op}({', '.join(p for p in (dims, dtype, *traits, mode) if p)}) on {self.device}"
+
+
+# A Call from its seven fields as one tuple, unchecked, without a Python frame: for a spec's ``parse``,
+# which runs on every call (~0.1 us less than ``Call(...)``).
+new_call: Callable[[tuple], Call] = functools.partial(_new, Call)
 
 
 def _never(activation: str) -> bool:
