@@ -121,7 +121,7 @@ class _ByCapture:
 def runner(key: Key, spec: OpSpec) -> Callable[[OpCall], Tensor]:
     """What calls of ``key`` run: ``spec.runner`` of the chosen backend's kernels, made once per key.
     A dictionary lookup once decided; where the decision has a backend for capture, one more question
-    (``is_current_stream_capturing``, 0.3 us on the H200's host)."""
+    (``is_current_stream_capturing``, 0.3 us)."""
     impl = _impls.get(key)
     if impl is None:
         found = decision(key)

@@ -198,7 +198,7 @@ def test_argument_beats_use_backend(fake, device):
 
 def test_fused_linear_takes_inference_without_autograd(fake, device):
     """Calls without autograd run the kernels' inference, calls with autograd their forward (and
-    backward, through the spec's Function)."""
+    backward, through dispatch.contracts.running's KernelsFunction)."""
     x = torch.randn(2, 3, 16, device=device)
     w = torch.randn(5, 16, device=device, requires_grad=True)
     with use_backend("fake"):
