@@ -130,8 +130,8 @@ def test_gradient_subsets(backend, activation, subset, device):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_eager_training_path(activation, dtype, device, monkeypatch):
     """Eager calls with autograd run under torch's own autograd where the activation has PyTorch kernels
-    both ways (no Python Function node in the graph), through KernelsFunction otherwise; the two paths give
-    the same outputs and gradients within the dtype's tolerance."""
+    both ways (no Python Function node in the graph), through KernelsFunction otherwise; the two paths
+    give the same outputs and gradients within the dtype's tolerance."""
     x, weight, bias = fused_linear_inputs((37, 24), 19, dtype, device)
     grad_y = torch.randn(37, 19, device=device)
     y, grads = run_fused_linear("eager", x, weight, bias, activation, grad_y)

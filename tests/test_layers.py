@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 from dispatch import backends, ops, registry
+from dispatch.heuristics import ranking
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Source folder -> the module prefix it installs as: the folder's own path (no package-dir remap)
@@ -231,8 +232,9 @@ def test_the_op_and_backend_lists_are_the_files(tmp_path):
     shipped = [registry.get(name) for name in backends.folders()]
     in_order = [b.name for b in sorted(shipped, key=lambda b: (b.order, b.name))]
     assert [n for n in registry.backends() if n in in_order] == in_order
-    # ties and defaults follow this order: pinned here
+    # ties and defaults follow this order: pinned here, and the calibrator's tie-break keeps it
     assert in_order == ["pytorch", "eager", "cublaslt", "triton", "composed", "inductor", "nvfuser"]
+    assert list(ranking.PREFERENCE) == in_order
     for backend in shipped:
         if isinstance(backend.kernels, ops.KernelFiles):
             folder = os.path.join(ROOT, "dispatch", "backends", backend.name)
