@@ -143,7 +143,8 @@ def entries(row: dict, x, b, names: list[str], focus: bool) -> dict[str, Callabl
     from dispatch.registry import Call
 
     act, p, mode = row["act"], row["p"], row["mode"]
-    call = Call("bias_act_dropout", x.device, x.dtype, tuple(x.shape), act, p > 0, mode != "forward")
+    call = Call("bias_act_dropout", x.device, x.dtype, tuple(x.shape), mode != "forward", ("activation", "dropout"),
+                (act, p > 0))
     out = common.backend_entries(row, call, names, focus, lambda name: _op(name, act, p))
     with torch.set_grad_enabled(mode != "forward"):
         probe = x.detach().requires_grad_(mode != "forward")

@@ -6,7 +6,7 @@ the direct side runs the chosen backend's ``Kernels`` (``Backend.kernels_for``) 
 the dispatcher would, choosing once what ``dispatch.ops.<op>.runner`` chooses: ``inference`` without
 autograd; with an input that requires grad ``forward`` where ``Kernels.autograd(activation)`` says
 torch's autograd differentiates it, else the op's autograd Function around the kernels
-(``dispatch.ops.bias_act_dropout.BiasActDropout``, ``dispatch.ops.fused_linear.FusedLinear``); plus
+(the shared autograd Function of ``dispatch.contracts.running``); plus
 the dropout draw (``dispatch.contracts.rng.draw_for``) when the kernels' masks are the spec's. Both
 sides run the same kernels object, which skips the backend's own argument checks where it has them
 (triton's ``KERNELS``): the public op has checked the arguments, the direct side trusts its caller.
@@ -46,11 +46,8 @@ import common
 import report
 import torch
 
-from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear, timing
-from dispatch.contracts import rng as dropout_rng
+from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear, ops, timing
 from dispatch.contracts.backend import Backend, Kernels
-from dispatch.ops.bias_act_dropout import BiasActDropout
-from dispatch.ops.fused_linear import FusedLinear
 from dispatch.registry import backends, get, register
 from dispatch.select import ENV_VAR, clear_cache
 
@@ -101,35 +98,26 @@ def _summary(samples: list[tuple[float, float]]) -> tuple[float, float, float, f
 # ----------------------------------------------------------------------------- the direct side
 
 
+def _direct(op: str, kernels: Kernels, *args: object) -> Callable[[], object]:
+    """What the op's runner does for this call on ``kernels``, without the dispatcher: the arguments
+    checked once, outside the timing; the runner (inference, torch's autograd or the shared autograd
+    Function, the dropout draw) inside it."""
+    spec = ops.get(op)
+    c = spec.parse(*args)
+    run = spec.runner(kernels, c.call)
+    return lambda: run(c)
+
+
 def _bias_act_dropout_direct(
     kernels: Kernels, x: torch.Tensor, bias: torch.Tensor, act: str, p: float
 ) -> Callable[[], object]:
-    """What ``dispatch.ops.bias_act_dropout.runner`` runs for this call, without the dispatcher."""
-    training = torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad)
-    draw = dropout_rng.draw_for
-    if not training or kernels.autograd(act):
-        run = kernels.forward if training else kernels.inference
-        if p > 0 and training and kernels.masks == "spec":
-            return lambda: run(x, bias, act, p, draw(x))
-        return lambda: run(x, bias, act, p, None)
-    apply = BiasActDropout.apply
-    if p > 0 and kernels.masks == "spec":
-        return lambda: apply(x, bias, kernels, act, p, draw(x))
-    return lambda: apply(x, bias, kernels, act, p, None)
+    return _direct("bias_act_dropout", kernels, x, bias, act, p)
 
 
 def _fused_linear_direct(
     kernels: Kernels, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, act: str
 ) -> Callable[[], object]:
-    """What ``dispatch.ops.fused_linear.runner`` runs for this call, without the dispatcher."""
-    if not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or bias.requires_grad)):
-        inference = kernels.inference
-        return lambda: inference(x, w, bias, act)
-    if kernels.autograd(act):
-        forward = kernels.forward
-        return lambda: forward(x, w, bias, act)[0]
-    apply = FusedLinear.apply
-    return lambda: apply(x, w, bias, kernels, act)
+    return _direct("fused_linear", kernels, x, w, bias, act)
 
 
 # ----------------------------------------------------------------------------- cases

@@ -10,7 +10,7 @@ Per point (projection, tokens M, activation, mode), four entries timed in interl
   eager         dispatch.fused_linear(x, w, b, act, backend="eager"), through the dispatcher
   eager_direct  the eager backend's kernels without the dispatcher, as ``dispatch.ops.fused_linear.runner``
                 runs them: ``inference`` (inference); ``forward`` under torch's autograd where
-                ``Kernels.autograd(act)`` says so, else the op's ``FusedLinear`` Function (training)
+                ``Kernels.autograd(act)`` says so, else the shared autograd Function (training)
 Modes: inference (no_grad) and training (forward + backward of x, w, b, a fixed grad_y). Clocks: GPU
 (CUDA graph), wall (do_bench), host per call (behind a sleep kernel); on the CPU wall (perf_counter)
 only. Ratios entry / pytorch (> 1: slower). Eager's output and gradients are checked against pytorch's
@@ -29,7 +29,8 @@ import report
 import torch
 
 from dispatch import fused_linear, timing
-from dispatch.ops.fused_linear import FusedLinear, baseline
+from dispatch import ops
+from dispatch.ops.fused_linear import baseline
 from dispatch.registry import get
 
 # projection -> (N = out_features, K = in_features)
@@ -64,14 +65,18 @@ def grid(device: torch.device, quick: bool) -> list[tuple[str, int, str, str]]:
 
 
 def eager_direct(act: str, training: bool) -> Callable:
-    """The eager backend's kernels as ``dispatch.ops.fused_linear.runner`` runs them, no dispatcher."""
-    kernels = get("eager").kernels_for("fused_linear")
-    inference, forward, apply = kernels.inference, kernels.forward, FusedLinear.apply
-    if not training:
-        return lambda x, w, b: inference(x, w, b, act)
-    if kernels.autograd(act):  # PyTorch's kernels both ways: torch's autograd differentiates forward
-        return lambda x, w, b: forward(x, w, b, act)[0]
-    return lambda x, w, b: apply(x, w, b, kernels, act)
+    """The eager backend's kernels as ``dispatch.ops.fused_linear``'s runner runs them, no dispatcher:
+    the arguments checked once per (x, w, b), outside the timed calls."""
+    kernels, spec, made = get("eager").kernels_for("fused_linear"), ops.get("fused_linear"), {}
+
+    def run(x, w, b):
+        found = made.get((id(x), id(w), id(b)))
+        if found is None:
+            c = spec.parse(x, w, b, act)
+            found = made[(id(x), id(w), id(b))] = (spec.runner(kernels, c.call), c)
+        return found[0](found[1])
+
+    return run
 
 
 def entries(act: str, training: bool) -> dict[str, Callable]:

@@ -168,7 +168,7 @@ def entries(row: dict, x, w, b, names: list[str], focus: bool, compile_mode: str
 
     M, K = x.shape
     N, act, mode = w.shape[0], row["act"], row["mode"]
-    call = Call("fused_linear", x.device, x.dtype, (M, N, K), act, False, mode != "forward")
+    call = Call("fused_linear", x.device, x.dtype, (M, N, K), mode != "forward", ("activation",), (act,))
     out = common.backend_entries(row, call, names, focus, lambda name: _op(name, act))
     with torch.set_grad_enabled(mode != "forward"):
         probe = x.detach().requires_grad_(mode != "forward")

@@ -270,14 +270,14 @@ def validate(found: dict[str, Entry], models: Models, x: Tensor, gy: Tensor, tra
     """'ok' or what missed, per entry: max error against the float64 reference (dispatch.ops.fused_mlp's
     ``reference``) at most twice the pytorch entry's plus the dtype's tolerance."""
     from dispatch.contracts.tolerances import allowed_error, max_error
-    from dispatch.ops.fused_mlp import Block, reference
+    from dispatch.ops.fused_mlp import MLPOperands, reference
 
     w = models.weights
     tensors = (x, w.stacked(), *w[1:])
     x64, w_in, b_in, w_out, b_out = (None if t is None else t.detach().double() for t in tensors)
     leaves = [t.requires_grad_(training) for t in (x64, w_in, b_in, w_out, b_out) if t is not None]
     with torch.set_grad_enabled(training):
-        y = reference(Block(x64, w_in, None, b_in, None, w_out, b_out, models.activation, 0.0, 0.0))
+        y = reference(MLPOperands(x64, w_in, None, b_in, None, w_out, b_out, models.activation, 0.0, 0.0))
     ref = [y.detach(), *(torch.autograd.grad(y, leaves, gy.double()) if training else ())]
     names = ["y"]
     if training:

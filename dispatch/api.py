@@ -2,11 +2,14 @@
 (``dispatch.select``, cached per call signature) -> run (the spec's runner over the chosen backend's
 kernels). Under ``torch.compile`` an op traces as plain PyTorch, or as its custom op when a backend
 is requested (``dispatch.compiling``). Installed as the ops' dispatcher on import.
+
+The ops' public functions (``fused_linear``...) are each spec's (``OpSpec.function``): ``__all__``
+lists them and ``__getattr__`` finds them by name.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -15,9 +18,6 @@ from dispatch import ops, select
 from dispatch.contracts.backend import Call, Kernels
 from dispatch.contracts.checks import check_backend
 from dispatch.contracts.op import OpCall, OpSpec
-from dispatch.ops.bias_act_dropout import fused_bias_act_dropout
-from dispatch.ops.fused_linear import fused_linear
-from dispatch.ops.fused_mlp import fused_mlp
 from dispatch.select import Decision
 
 _compiling = torch.compiler.is_compiling  # dynamo knows the function itself: an alias traces alike
@@ -64,4 +64,22 @@ def _spec(op_name: object) -> OpSpec:
     raise ValueError(f"op_name must be one of {names}; got {op_name!r}")
 
 
-__all__ = ["explain", "fused_bias_act_dropout", "fused_linear", "fused_mlp"]
+def __getattr__(name: str) -> Any:
+    """An op's public function (``fused_linear``...)."""
+    return op_function(name, globals())
+
+
+def op_function(name: str, namespace: dict[str, Any]) -> Callable[..., Tensor]:
+    """The public function ``name`` of an op, for a module's ``__getattr__`` (``namespace``: its
+    globals); an AttributeError for any other name. The package's own ops' are kept in the namespace
+    once found, so that the next lookup is a plain one."""
+    spec = next((s for s in ops.all_specs() if s.public_name == name), None)
+    if spec is None:
+        raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
+    function = spec.function()
+    if spec.name in ops.builtin():
+        namespace[name] = function
+    return function
+
+
+__all__ = ["explain", *ops.public_names()]

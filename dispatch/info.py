@@ -18,7 +18,7 @@ import torch
 from tabulate import tabulate
 
 from dispatch import heuristics, ops
-from dispatch.registry import Backend, Call, backends
+from dispatch.registry import Backend, backends
 from dispatch.select import ENV_VAR
 
 PROBE_SIZE = 4096  # every dim of a typical call
@@ -51,8 +51,9 @@ def _probe(backend: Backend, device: torch.device) -> list[str]:
         if not backend.implements(spec.name):
             continue
         activation = "gelu" if "gelu" in spec.activations else spec.activations[0]
+        typical = {"activation": activation, "dropout": False}
         shape = (PROBE_SIZE,) * len(spec.dims)
-        call = Call(spec.name, device, torch.float32, shape, activation, False, True)
+        call = spec.call(device, torch.float32, shape, True, **{t: typical.get(t) for t in spec.traits})
         reasons += [r for r in backend.not_supported_reasons(call, explicit=False) if r not in reasons]
     return reasons
 

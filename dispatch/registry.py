@@ -1,5 +1,6 @@
-"""The registered backends: each folder named in ``dispatch.backends.NAMES`` declares a ``BACKEND``
-(``dispatch.contracts.backend.Backend``), collected here on first use, never at import.
+"""The registered backends: each folder of ``dispatch/backends`` declares a ``BACKEND``
+(``dispatch.contracts.backend.Backend``), collected here on first use, never at import, in the order
+the backends declare (``Backend.order``).
 """
 
 from __future__ import annotations
@@ -30,12 +31,23 @@ def backends() -> dict[str, Backend]:
     if not _loaded:
         with _load_lock:
             if not _loaded:
-                from dispatch.backends import NAMES
-
-                for name in NAMES:
-                    register(importlib.import_module(f"dispatch.backends.{name}").BACKEND)
+                for backend in sorted(_declared(), key=lambda b: (b.order, b.name)):
+                    register(backend)
                 _loaded = True
     return _BACKENDS
+
+
+def _declared() -> list[Backend]:
+    """Each backend folder's ``BACKEND``, whose name must be the folder's."""
+    from dispatch import backends as folder
+
+    found = []
+    for name in folder.folders():
+        backend = importlib.import_module(f"dispatch.backends.{name}").BACKEND
+        if backend.name != name:
+            raise ValueError(f"dispatch/backends/{name} declares a backend named {backend.name!r}")
+        found.append(backend)
+    return found
 
 
 def get(name: object) -> Backend:

@@ -1,6 +1,6 @@
 """Which backend runs a call: the ``backend=`` argument > ``use_backend()`` > ``DISPATCH_BACKEND`` >
-the heuristic table of this GPU > the first able backend in ``dispatch.backends.NAMES``' order (plain
-PyTorch first) where no table answers or its pick cannot serve the call.
+the heuristic table of this GPU > the first able backend in the backends' order (``Backend.order``:
+plain PyTorch first) where no table answers or its pick cannot serve the call.
 
 Decisions are cached per call signature (``key``), so the steady-state cost is one dictionary lookup.
 ``DISPATCH_BACKEND`` is read at import; after changing it in a running process, call ``clear_cache()``.
@@ -14,7 +14,7 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -29,9 +29,27 @@ _ARGUMENT, _CONTEXT = "the backend= argument", "use_backend()"  # the other two 
 _CACHE_LIMIT = 4096
 
 _requested: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("dispatch_backend", default=None)
-_cache: dict[tuple, "Decision"] = {}
-# The same keys -> what runs such calls: the chosen backend's op module, or what ``prepare`` made of it.
-_impls: dict[tuple, object] = {}
+
+
+class Request(NamedTuple):
+    """A call and what asked for a backend for it: the key of a decision that is not the table's (or
+    ``DISPATCH_BACKEND``'s) alone."""
+
+    call: Call
+    argument: Optional[str]  # the backend= argument
+    context: Optional[str]  # use_backend()'s backend, where no argument names one
+    by_table: bool  # a call of a backend chaining the ops: the table alone decides (``table_key``)
+
+
+# A decision's key: the call itself where nothing asked for a backend (``DISPATCH_BACKEND`` and
+# ``spec_masks`` need no field: changing them empties the cache), else a Request.
+Key = Union[Call, Request]
+_new = tuple.__new__  # a Request without NamedTuple's __new__, one Python frame more
+_cache: dict[Key, "Decision"] = {}
+# The same keys -> what runs such calls: the spec's runner over the chosen backend's kernels.
+_impls: dict[Key, object] = {}
+# A call -> the kernels a compiled graph's custom op runs it on, where the decision's take no spec rng.
+_spec_kernels: dict[Call, Kernels] = {}
 # Read at import and by clear_cache(), not per call: os.environ.get of an unset variable costs ~1 us
 # (a KeyError raised and caught inside os.environ).
 _env_backend: Optional[str] = os.environ.get(ENV_VAR) or None
@@ -76,21 +94,20 @@ def use_backend(name: str) -> Iterator[None]:
         _requested.reset(token)
 
 
-def key(call: Call, backend: Optional[str]) -> tuple:
-    """The cache key of a decision: the call and where a backend was asked for (the position tells the
-    ``backend=`` argument from ``use_backend()``). ``DISPATCH_BACKEND`` and ``spec_masks`` need no
-    place: changing them empties the cache. The one place keys are made, with ``table_key``."""
-    return (call, backend, None) if backend is not None else (call, None, _requested.get())
+def key(call: Call, backend: Optional[str]) -> Key:
+    """The cache key of a decision for ``call`` with the ``backend=`` argument ``backend``. The one
+    place keys are made, with ``table_key``."""
+    if backend is not None:
+        return _new(Request, (call, backend, None, False))
+    context = _requested.get()
+    return call if context is None else _new(Request, (call, None, context, False))
 
 
-_BY_TABLE = "by the table, spec masks"
-
-
-def table_key(call: Call) -> tuple:
+def table_key(call: Call) -> Key:
     """The key of a call that a backend chaining the ops makes (composed's sub-calls): decided by the
     table alone, whatever ``use_backend()`` or ``DISPATCH_BACKEND`` name (they named that backend),
     dropout on the spec's masks whatever ``spec_masks()`` says."""
-    return (call, None, None, _BY_TABLE)
+    return _new(Request, (call, None, None, True))
 
 
 @dataclass(frozen=True)
@@ -101,14 +118,14 @@ class _ByCapture:
     captured: object
 
 
-def runner(key: tuple, spec: OpSpec) -> Callable[[OpCall], Tensor]:
+def runner(key: Key, spec: OpSpec) -> Callable[[OpCall], Tensor]:
     """What calls of ``key`` run: ``spec.runner`` of the chosen backend's kernels, made once per key.
     A dictionary lookup once decided; where the decision has a backend for capture, one more question
-    (``is_current_stream_capturing``, 0.3 us on the H200's host)."""
+    (``is_current_stream_capturing``, 0.3 us)."""
     impl = _impls.get(key)
     if impl is None:
         found = decision(key)
-        call = key[0]
+        call = key.call if type(key) is Request else key
         impl = spec.runner(found.backend.kernels_for(call.op), call)
         if found.captured is not None:
             impl = _ByCapture(impl, spec.runner(found.captured.kernels_for(call.op), call))
@@ -122,35 +139,35 @@ def kernels(call: Call, backend: Optional[str]) -> Kernels:
     """The kernels that serve ``call`` as a custom op of a compiled graph runs it. The graph drew the
     spec's rngs and keeps the op's saved tensors, so where the decision names kernels that cannot
     take them (torch's masks, whose composite keeps nothing for a backward of its own; a chaining
-    backend's, which take a generator) the first able backend in ``dispatch.backends.NAMES``' order
-    whose kernels can serves it (the reference, eager)."""
+    backend's, which take a generator) the first able backend in the backends' order whose kernels
+    can serve it (the reference, eager)."""
     found = decision(key(call, backend)).backend.kernels_for(call.op)
     if found.masks == "spec":
         return found
-    fallback = _impls.get((call, _SPEC_KERNELS))
+    fallback = _spec_kernels.get(call)
     if fallback is None:
         able = (get(n).kernels_for(call.op) for n, why in _reasons(call, None, backends()).items() if not why)
         fallback = next((k for k in able if k is not None and k.masks == "spec"), None)
         if fallback is None:
             raise ValueError(f"no backend can run {call} on the spec's dropout masks")
-        _impls[(call, _SPEC_KERNELS)] = fallback  # once per call signature, as decisions are
-    return fallback  # type: ignore[return-value]
+        _spec_kernels[call] = fallback  # once per call signature, as decisions are
+    return fallback
 
 
-_SPEC_KERNELS = "kernels on the spec's masks"
-
-
-def decision(key: tuple) -> Decision:
+def decision(key: Key) -> Decision:
     """The cached decision for ``key`` (made by ``key()``); a miss decides."""
     found = _cache.get(key)
     if found is None:
         if len(_cache) >= _CACHE_LIMIT:
             _cache.clear()
             _impls.clear()
-        if len(key) > 3:  # table_key's
-            found = decide(key[0], None, spec_masks=True)
+            _spec_kernels.clear()
+        if type(key) is not Request:
+            found = decide(key, *_request(None, None))
+        elif key.by_table:
+            found = decide(key.call, None, spec_masks=True)
         else:
-            found = decide(key[0], *_request(key[1], key[2]))
+            found = decide(key.call, *_request(key.argument, key.context))
         _cache[key] = found
     return found
 
@@ -184,12 +201,14 @@ def clear_cache() -> None:
     global _env_backend
     _cache.clear()
     _impls.clear()
+    _spec_kernels.clear()
     _env_backend = os.environ.get(ENV_VAR) or None
 
 
 def cached_calls() -> list[Call]:
     """The calls decided (or given a runner) since the last ``clear_cache()``, each once."""
-    return list(dict.fromkeys(k[0] for k in (*tuple(_cache), *tuple(_impls))))  # copies: no lock
+    keys = (*tuple(_cache), *tuple(_impls))  # copies: no lock
+    return list(dict.fromkeys([*(k.call if type(k) is Request else k for k in keys), *tuple(_spec_kernels)]))
 
 
 class spec_masks:  # noqa: N801  (a function to its callers, as use_backend)
@@ -265,8 +284,8 @@ def capture_pick(
 
 
 def _first_able(reasons: Mapping[str, list[str]]) -> Optional[str]:
-    """The first backend in ``dispatch.backends.NAMES``' order that can serve the call: plain PyTorch,
-    then the reference, then the fused kernels."""
+    """The first backend in the backends' order (``Backend.order``) that can serve the call: plain
+    PyTorch, then the reference, then the fused kernels."""
     return next((name for name, why in reasons.items() if not why), None)
 
 

@@ -69,15 +69,8 @@ def _grid(table: heuristics.Table, entries: list[EntryRecord]) -> tuple[list[str
     for m in [t for t in TOKENS if t <= max_m] + [t for t in TOKENS if t > max_m][:1]:
         row = [f"{'>' if m > max_m else ''}{m}"]
         for e in entries:
-            call = Call(
-                e["op"],
-                torch.device("cpu"),
-                getattr(torch, e["dtype"]),
-                (m, *e["features"]),
-                e["activation"],
-                e["dropout"],
-                e["mode"] == "training",
-            )
+            call = Call(e["op"], torch.device("cpu"), getattr(torch, e["dtype"]), (m, *e["features"]),
+                        e["mode"] == "training", ("activation", "dropout"), (e["activation"], e["dropout"]))
             choice = table.choose(call)
             row.append(f"{choice.backend}{_speedup(e, m, choice.backend, table.version)}" if choice else "-")
         rows.append(row)

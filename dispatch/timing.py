@@ -11,8 +11,8 @@ Clocks (each a median, in milliseconds per op call):
   waits on the GPU; ``back_to_back_ms``: calls back to back, synchronized once (what an eager model sees).
 
 Rounds: the entries of a comparison are timed in rounds, their order rotated each round (A B C, B C A,
-C A B), median per entry, spread kept (``Timing``). The H200 boosts with temperature and power, so the
-same kernel timed seconds apart differed by up to 10%, and its host swings by 2x for seconds: within a
+C A B), median per entry, spread kept (``Timing``). A GPU boosts with temperature and power (the same
+kernel timed seconds apart differed by up to 10%) and its host swings by 2x for seconds: within a
 round every entry sees the same clock and host phase.
 
 Nothing happens at import: torch.cuda and triton are touched inside the functions only.

@@ -3,7 +3,7 @@ segments, a bias_act_dropout call on this CPU. (The fixtures user_dir and clocks
 
 import torch
 
-from dispatch.registry import Call
+from dispatch import ops
 
 CPU = torch.device("cpu")
 
@@ -19,5 +19,6 @@ def segments(e):
     return [(s["m_from"], s["backend"]) for s in e["segments"]]
 
 
-def bad_call(m, n=32, activation="gelu", training=False, dropout=False):
-    return Call("bias_act_dropout", CPU, torch.float32, (m, n), activation, dropout, training)
+def bad_call(m, n=32, activation="gelu", training=False, dropout=False, dtype=torch.float32):
+    spec = ops.get("bias_act_dropout")
+    return spec.call(CPU, dtype, (m, n), training, activation=activation, dropout=dropout)

@@ -53,12 +53,12 @@ def require_call(backend: str, call: Call) -> None:
 
 def bias_act_dropout_call(x: torch.Tensor, activation: str, dropout: bool, training: bool = True) -> Call:
     rows = (math.prod(x.shape[:-1]), x.shape[-1])
-    return Call("bias_act_dropout", x.device, x.dtype, rows, activation, dropout, training)
+    return bad_spec.SPEC.call(x.device, x.dtype, rows, training, activation=activation, dropout=dropout)
 
 
 def fused_linear_call(x: torch.Tensor, n: int, activation: str, training: bool = True) -> Call:
     shape = (math.prod(x.shape[:-1]), n, x.shape[-1])
-    return Call("fused_linear", x.device, x.dtype, shape, activation, False, training)
+    return linear_spec.SPEC.call(x.device, x.dtype, shape, training, activation=activation)
 
 
 # ----------------------------------------------------------------------------- gradients

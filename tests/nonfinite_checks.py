@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from dispatch.contracts.activations import LEAKY_RELU_SLOPE
-from dispatch.registry import Call, backends
+from dispatch import ops
+from dispatch.registry import backends
 from dispatch.contracts.tolerances import ATOL, RTOL
 
 # The interpreter evaluates kernels in numpy, which warns on every inf * 0 these inputs are made of:
@@ -82,7 +83,9 @@ ATOL32, RTOL32 = ATOL[torch.float32], RTOL[torch.float32]
 
 
 def skip_unless_supported(backend: str, op: str, shape: tuple[int, ...], activation: str, dropout=False):
-    call = Call(op, torch.device("cpu"), torch.float32, shape, activation, dropout, True)
+    spec = ops.get(op)
+    traits = {"activation": activation, "dropout": dropout}
+    call = spec.call(torch.device("cpu"), torch.float32, shape, True, **{t: traits[t] for t in spec.traits})
     reasons = backends()[backend].not_supported_reasons(call)
     if reasons:
         pytest.skip(f"{backend}: {'; '.join(reasons)}")

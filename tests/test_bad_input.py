@@ -9,7 +9,8 @@ import torch
 
 from dispatch.ops import fused_linear as linear_spec
 from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear
-from dispatch.registry import Call, backends
+from dispatch import ops
+from dispatch.registry import backends
 from dispatch.contracts.tolerances import check
 from harness import COMPILING, grads, require_call
 
@@ -280,7 +281,9 @@ def test_bias_act_dropout_strides(backend, x_layout, grad_layout, device):
     x_shape = make_x(x_leaf).shape
     require_call(
         backend,
-        Call("bias_act_dropout", x_leaf.device, torch.float32, (x_shape.numel() // N, N), "gelu", True, True),
+        ops.get("bias_act_dropout").call(
+            x_leaf.device, torch.float32, (x_shape.numel() // N, N), True, activation="gelu", dropout=True
+        ),
     )
     to_grad = GRAD_LAYOUTS[grad_layout]
 
@@ -327,7 +330,7 @@ def test_fused_linear_strides(backend, x_layout, w_layout, grad_layout, device):
         torch.randn(w_shape, device=device, requires_grad=True),
         torch.randn(1, device=device, requires_grad=True),  # bias: stride 0
     ]
-    require_call(backend, Call("fused_linear", leaves[0].device, torch.float32, (M, N, K), "gelu", False, True))
+    require_call(backend, linear_spec.SPEC.call(leaves[0].device, torch.float32, (M, N, K), True, activation="gelu"))
 
     def op(x, weight, bias):
         return fused_linear(x, weight, bias, "gelu", backend=backend)

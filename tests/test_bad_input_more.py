@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from dispatch.ops import bias_act_dropout as bad_spec
 from dispatch import ACTIVATION_NAMES, explain, fused_bias_act_dropout, fused_linear
-from dispatch.registry import Call, backends
+from dispatch.registry import backends
 from harness import require_call
 
 N, K = 8, 6  # x is (4, N) for bias_act_dropout, (4, K) for fused_linear with weight (N, K)
@@ -215,7 +215,7 @@ def test_p_one(backend, device):
     """Eval mode: no dropout, as nn.Dropout(1.0).eval(). Training: every element dropped, zeros and
     zero gradients, as F.dropout(., 1.0), and no random numbers drawn. One kind of call per backend
     (the compiling ones compile once): p = 0 underneath in both modes."""
-    call = Call("bias_act_dropout", torch.device(device), torch.float32, (6, N), "gelu", False, True)
+    call = bad_spec.SPEC.call(torch.device(device), torch.float32, (6, N), True, activation="gelu", dropout=False)
     require_call(backend, call)
     x = torch.randn(2, 3, N, device=device, requires_grad=True)
     bias = torch.randn(N, device=device, requires_grad=True)

@@ -12,7 +12,8 @@ from dispatch import heuristics
 from dispatch import calibrate, cases, explain
 from dispatch.calibrate import __main__ as cli
 from dispatch.calibrate import plan, report, series
-from dispatch.registry import Call, Kernels, backends
+from dispatch import ops
+from dispatch.registry import Kernels, backends
 from calibration import CPU, args, bad_call, segments
 from harness import eager_twin, register
 
@@ -178,7 +179,8 @@ def test_a_dtype_can_share_another_dtypes_timings(user_dir, clocks, monkeypatch)
     assert set(entries) == {"float32", "bfloat16"} and entries["bfloat16"]["measured_dtype"] == "float32"
     assert segments(entries["bfloat16"]) == segments(entries["float32"])
     assert all(s["errors"] for s in entries["bfloat16"]["segments"])
-    choice = heuristics.lookup(Call("bias_act_dropout", CPU, torch.bfloat16, (8, 32), "gelu", False, False))
+    call = bad_call(8, dtype=torch.bfloat16)
+    choice = heuristics.lookup(call)
     assert "timings shared with gelu float32" in choice.description
 
 
@@ -207,8 +209,9 @@ def test_a_table_never_picks_a_backend_slower_than_pytorch_beyond_noise(
         assert {s["backend"] for s in e["segments"]} == {plan.BASELINE, "flat"}, segments(e)
         for p in e["points"] + e["held_out"]:
             c = plan.costs(p)
-            call = Call(e["op"], CPU, torch.float32, (p["m"], *e["features"]), e["activation"], e["dropout"],
-                        e["mode"] == "training")  # fmt: skip
+            spec = ops.get(e["op"])
+            call = spec.call(CPU, torch.float32, (p["m"], *e["features"]), e["mode"] == "training",
+                             **{t: e[t] for t in spec.traits})  # fmt: skip
             pick = table.choose(call).backend
             assert c[pick] <= (1 + plan.NOISE) * c[plan.BASELINE], (p, pick)
             checked += 1

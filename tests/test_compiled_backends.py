@@ -22,7 +22,7 @@ from dispatch import explain, fused_bias_act_dropout, fused_linear
 from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import ACTIVATION_NAMES
 from dispatch.contracts.compiled import CompileNotice
-from dispatch.registry import Call, backends
+from dispatch.registry import backends
 from harness import (
     BIAS_ACT_DROPOUT_GRADS,
     FUSED_LINEAR_GRADS,
@@ -257,7 +257,7 @@ def test_cublaslt_declarations():
     backend = backends()["cublaslt"]
     assert set(backend.kernels) == {"fused_linear"}
     assert backend.devices == {"cuda"} and backend.activations == {"relu", "gelu_tanh"}
-    call = Call("fused_linear", torch.device("cuda"), torch.bfloat16, (1, 64, 32), "relu", False, True)
+    call = linear_spec.SPEC.call(torch.device("cuda"), torch.bfloat16, (1, 64, 32), True, activation="relu")
     (reason,) = backend.extra_reasons(call, True)
     assert "M, N and K > 1" in reason and "M=1" in reason
 

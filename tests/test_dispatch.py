@@ -198,7 +198,7 @@ def test_argument_beats_use_backend(fake, device):
 
 def test_fused_linear_takes_inference_without_autograd(fake, device):
     """Calls without autograd run the kernels' inference, calls with autograd their forward (and
-    backward, through the spec's Function)."""
+    backward, through dispatch.contracts.running's KernelsFunction)."""
     x = torch.randn(2, 3, 16, device=device)
     w = torch.randn(5, 16, device=device, requires_grad=True)
     with use_backend("fake"):
@@ -342,6 +342,29 @@ def test_decisions_are_cached(monkeypatch, device):
     fused_linear(x, w)
     assert len(decided) == 7
     assert [c.training for c in decided] == [True, False, True, True, True, True, True]
+
+
+def test_a_call_holds_the_traits_its_op_declares_and_keys_by_name():
+    """fused_linear declares an activation, bias_act_dropout an activation and dropout: their calls, the
+    table keys of them and explain() hold those and no other. Decision keys name their fields."""
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    linear = dispatch.ops.get("fused_linear").parse(x, w, None, "relu").call
+    assert (linear.traits, linear.values, linear.dropout) == (("activation",), ("relu",), False)
+    assert str(linear) == "fused_linear(4x3x8, float32, relu, inference) on cpu"
+    bad = dispatch.ops.get("bias_act_dropout").parse(x, None, "gelu", 0.1).call
+    assert (bad.traits, bad.values) == (("activation", "dropout"), ("gelu", True)) and bad.dropout
+    assert str(bad) == "bias_act_dropout(4x8, float32, gelu, dropout, inference) on cpu"
+    key = heuristics.EntryKey.of_call(linear)
+    assert key.traits == (("activation", "relu"),) and key.activation == "relu" and key.dropout is False
+    # the form from before traits still builds a call of activation and dropout, which keys alike
+    former = registry.Call("fused_linear", linear.device, torch.float32, (4, 3, 8), "relu", False, False)
+    assert former.traits == ("activation", "dropout") and heuristics.EntryKey.of_call(former) == key
+
+    assert select_mod.key(linear, None) is linear  # nothing asked for a backend: the call is its own key
+    assert select_mod.key(linear, "eager") == select_mod.Request(linear, "eager", None, False)
+    with use_backend("pytorch"):
+        assert select_mod.key(linear, None).context == "pytorch"
+    assert select_mod.table_key(linear).by_table and not select_mod.key(linear, "eager").by_table
 
 
 def test_cache_follows_overrides(fake, device):

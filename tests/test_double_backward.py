@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from dispatch import ACTIVATION_NAMES, fused_bias_act_dropout, fused_linear
-from dispatch.registry import Call, backends
+from dispatch import ops
+from dispatch.registry import backends
 from dispatch.select import clear_cache
 from harness import require_call
 
@@ -132,7 +133,9 @@ def test_bias_act_dropout_double_backward_matches_eager(backend, activation, dev
     of the Philox ops takes ~30 s on a small CPU, so inductor runs p = 0."""
     p = 0.0 if backend == "inductor" else 0.3
     shape = (2, 3, N)
-    call = Call("bias_act_dropout", torch.device(device), torch.float32, (6, N), activation, p > 0, True)
+    call = ops.get("bias_act_dropout").call(
+        torch.device(device), torch.float32, (6, N), True, activation=activation, dropout=p > 0
+    )
     require_call(backend, call)
     leaves = [_leaf(*shape, dtype=torch.float32, device=device), _leaf(N, dtype=torch.float32, device=device)]
 
@@ -146,7 +149,7 @@ def test_bias_act_dropout_double_backward_matches_eager(backend, activation, dev
     "backend, activation", BACKEND_CASES + [pytest.param("cublaslt", "relu", id="cublaslt-relu")]
 )
 def test_fused_linear_double_backward_matches_eager(backend, activation, device):
-    call = Call("fused_linear", torch.device(device), torch.float32, (6, N, K), activation, False, True)
+    call = ops.get("fused_linear").call(torch.device(device), torch.float32, (6, N, K), True, activation=activation)
     require_call(backend, call)
     leaves = [
         _leaf(2, 3, K, dtype=torch.float32, device=device),

@@ -130,14 +130,14 @@ def test_gradient_subsets(backend, activation, subset, device):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_eager_training_path(activation, dtype, device, monkeypatch):
     """Eager calls with autograd run under torch's own autograd where the activation has PyTorch kernels
-    both ways (no Python Function node in the graph), through the Function otherwise; the two paths give
-    the same outputs and gradients within the dtype's tolerance."""
+    both ways (no Python Function node in the graph), through KernelsFunction otherwise; the two paths
+    give the same outputs and gradients within the dtype's tolerance."""
     x, weight, bias = fused_linear_inputs((37, 24), 19, dtype, device)
     grad_y = torch.randn(37, 19, device=device)
     y, grads = run_fused_linear("eager", x, weight, bias, activation, grad_y)
     act = ACTIVATIONS[activation]
     native = act.native and act.backward is not None
-    assert ("FusedLinearBackward" != type(y.grad_fn).__name__) == native, type(y.grad_fn).__name__
+    assert ("KernelsFunctionBackward" != type(y.grad_fn).__name__) == native, type(y.grad_fn).__name__
     eager = backends()["eager"]
     kernels = dataclasses.replace(eager.kernels["fused_linear"], autograd=lambda activation: False)
     monkeypatch.setitem(eager.kernels, "fused_linear", kernels)
@@ -147,7 +147,7 @@ def test_eager_training_path(activation, dtype, device, monkeypatch):
     finally:
         monkeypatch.undo()
         clear_cache()
-    assert type(y_fn.grad_fn).__name__ == "FusedLinearBackward"
+    assert type(y_fn.grad_fn).__name__ == "KernelsFunctionBackward"
     ref, ref_grads = reference_fused_linear(x, weight, bias, activation, grad_y, upcast=True)
     check("y", y.detach(), ref.detach(), y_fn.detach())
     for name, g, r, b in zip(FUSED_LINEAR_GRADS, grads, ref_grads, grads_fn):

@@ -87,7 +87,8 @@ def _reference(args, activation, p, p_out, upcast, device, keeps=(None, None)):
     w_up = w_in[1] if isinstance(w_in, tuple) else None
     b_up = b_in[1] if isinstance(b_in, tuple) else None
     w0, b0 = (w_in[0] if w_up is not None else w_in), (b_in[0] if isinstance(b_in, tuple) else b_in)
-    block = mlp_spec.Block(x.reshape(m, x.shape[-1]), w0, w_up, b0, b_up, w_out, b_out, activation, p, p_out)
+    rows = x.reshape(m, x.shape[-1])
+    block = mlp_spec.MLPOperands(rows, w0, w_up, b0, b_up, w_out, b_out, activation, p, p_out)
     return mlp_spec.reference(block, rngs, upcast=upcast, keeps=keeps).view(*x.shape[:-1], h_out)
 
 

@@ -46,7 +46,7 @@ def _reference(tensors, layout, activation, p, p_out, rngs, upcast):
     pair = lambda t: t if isinstance(t, tuple) else (t, None)  # noqa: E731
     (w0, w_up), (b0, b_up) = pair(w_in), pair(b_in)
     rows = x.reshape(-1, x.shape[-1])
-    block = mlp_spec.Block(rows, w0, w_up, b0, b_up, w_out, b_out, activation, p, p_out)
+    block = mlp_spec.MLPOperands(rows, w0, w_up, b0, b_up, w_out, b_out, activation, p, p_out)
     return mlp_spec.reference(block, rngs, upcast=upcast).view(*x.shape[:-1], w_out.shape[0])
 
 

@@ -34,7 +34,8 @@ def _reference(module: FusedMLP, x: torch.Tensor, upcast: bool) -> torch.Tensor:
         out = module.fc2
         w_in, w_up, b_in, b_up = t(module.fc1.weight), None, module.fc1.bias, None
     rows = x.reshape(-1, x.shape[-1])
-    block = mlp_spec.Block(rows, w_in, w_up, b_in, b_up, t(out.weight), out.bias, module.activation, 0.0, 0.0)
+    w_out, act = t(out.weight), module.activation
+    block = mlp_spec.MLPOperands(rows, w_in, w_up, b_in, b_up, w_out, out.bias, act, 0.0, 0.0)
     return mlp_spec.reference(block, upcast=upcast).view(*x.shape[:-1], -1)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from dispatch import heuristics
 from dispatch import explain, select
-from dispatch.registry import Call
+from dispatch import ops
 from harness import eager_twin, register
 
 CPU = torch.device("cpu")
@@ -109,7 +109,8 @@ def dirs(tmp_path, monkeypatch):
 
 
 def bad_call(m, n=4096, activation="gelu", dtype=torch.float32, training=True, dropout=True, device=CPU):
-    return Call("bias_act_dropout", device, dtype, (m, n), activation, dropout, training)
+    spec = ops.get("bias_act_dropout")
+    return spec.call(device, dtype, (m, n), training, activation=activation, dropout=dropout)
 
 
 def test_slugs():
@@ -247,7 +248,7 @@ def test_schema_1_takes_the_nearest_feature_size(dirs):
     ), choice.description
     assert choice.backend == "nvfuser" and "GPU" not in choice.description
     assert heuristics.lookup(bad_call(16, n=1024)).backend == "eager"
-    linear = Call("fused_linear", CPU, torch.float32, (16, 1100, 3000), "gelu", False, True)
+    linear = ops.get("fused_linear").call(CPU, torch.float32, (16, 1100, 3000), True, activation="gelu")
     assert heuristics.lookup(linear).backend == "inductor"
 
 
@@ -363,7 +364,7 @@ def test_slim_drops_the_raw_points_and_answers_alike():
     for m in (1, 79, 80, 7000, 7001, 10**6):
         for n in (4096, 100):
             assert full.choose(bad_call(m, n=n)) == thin.choose(bad_call(m, n=n))
-        linear = Call("fused_linear", CPU, torch.float32, (m, 64, 32), "gelu", False, True)
+        linear = ops.get("fused_linear").call(CPU, torch.float32, (m, 64, 32), True, activation="gelu")
         assert full.choose(linear) == thin.choose(linear) and full.choose(linear).backend == "nvfuser"
     assert "beyond the largest measured M=7000" in thin.choose(bad_call(7001)).description
 

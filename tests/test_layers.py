@@ -1,5 +1,5 @@
-"""The house's rules, checked on the source: imports only point down, one top-level name, and importing
-the library does no work (no thread, process or file)."""
+"""The house's rules, checked on the source: imports only point down, one top-level name, importing the
+library does no work (no thread, process or file), and the lists of ops and backends are the files."""
 
 import ast
 import os
@@ -7,6 +7,9 @@ import re
 import subprocess
 import sys
 import textwrap
+
+from dispatch import backends, ops, registry
+from dispatch.heuristics import ranking
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Source folder -> the module prefix it installs as: the folder's own path (no package-dir remap)
@@ -164,7 +167,7 @@ def test_users_own_backends_and_heuristics_do_not_shadow_ours(tmp_path):
     assert result.stdout.strip() == "pytorch"
 
 
-OP_NAMES = ("bias_act_dropout", "fused_linear", "fused_mlp")
+OP_NAMES = ops.builtin()
 # a comparison with an op's name: ``op == "fused_linear"``, ``op in ("bias_act_dropout", ...)``
 BRANCH = re.compile(r"""(==|!=|\bin)\s*\(?\s*["'](fused_)?(%s)["']""" % "|".join(OP_NAMES))
 
@@ -205,3 +208,36 @@ def test_no_file_over_400_lines_but_triton_kernels():
         if lines > 410 and not module.startswith("dispatch.backends.triton"):
             long.append(f"{path}: {lines} lines")
     assert not long, "\n".join(long)
+
+
+def test_the_op_and_backend_lists_are_the_files(tmp_path):
+    """No list of ops or backends is kept by hand: an op is a spec file (not a part ``<op>_<part>.py``
+    nor a ``_*.py``), a backend a folder with an ``__init__``, its ops its ``<op>.py`` files."""
+    (tmp_path / "ops").mkdir()
+    for name in ("__init__", "_shared", "toy", "toy_math", "other_op", "other_op_kernels"):
+        (tmp_path / "ops" / f"{name}.py").write_text("")
+    assert ops.spec_files(str(tmp_path / "ops")) == ("other_op", "toy")
+    for folder, package in (("toy_backend", True), ("notes", False)):
+        (tmp_path / "backends" / folder).mkdir(parents=True)
+        if package:
+            (tmp_path / "backends" / folder / "__init__.py").write_text("")
+    (tmp_path / "backends" / "helpers.py").write_text("")
+    assert backends.folders(str(tmp_path / "backends")) == ["toy_backend"]
+
+    assert ops.builtin() == ops.spec_files(os.path.join(ROOT, "dispatch", "ops"))
+    assert ops.names()[: len(ops.builtin())] == ops.builtin()
+    import dispatch
+
+    assert {s.public_name for s in map(ops.get, ops.builtin())} <= set(dispatch.__all__)
+    shipped = [registry.get(name) for name in backends.folders()]
+    in_order = [b.name for b in sorted(shipped, key=lambda b: (b.order, b.name))]
+    assert [n for n in registry.backends() if n in in_order] == in_order
+    # ties and defaults follow this order: pinned here, and the calibrator's tie-break keeps it
+    assert in_order == ["pytorch", "eager", "cublaslt", "triton", "composed", "inductor", "nvfuser"]
+    assert list(ranking.PREFERENCE) == in_order
+    for backend in shipped:
+        if isinstance(backend.kernels, ops.KernelFiles):
+            folder = os.path.join(ROOT, "dispatch", "backends", backend.name)
+            files = {op for op in ops.builtin() if os.path.isfile(os.path.join(folder, f"{op}.py"))}
+            assert set(backend.kernels) == files, backend.name
+            assert all(backend.kernels[op] is not None for op in files if backend.unavailable() is None)

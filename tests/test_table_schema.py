@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from dispatch import heuristics
 from dispatch.calibrate import __main__ as calibrate_cli
 from dispatch import table as table_cli
+from dispatch import ops
 from dispatch.registry import Call
 from table_docs import CPU, CPU_SLUG, DELETE, heuristics_warnings, run_public_ops, set_at, valid_document
 
@@ -130,13 +131,12 @@ def calls():
     """Calls on the keys of valid_document()'s entries, at measured and unmeasured sizes, M from 1 to
     far beyond what was measured, both modes."""
     out = []
+    traits = {"bias_act_dropout": dict(activation="gelu", dropout=True), "fused_linear": dict(activation="gelu")}
     for op, features in (("bias_act_dropout", [(64,), (1000,)]), ("fused_linear", [(32, 16), (5, 7000)])):
         for f in features:
             for m in (1, 47, 48, 10**7):
                 for training in (False, True):
-                    out.append(
-                        Call(op, CPU, torch.float32, (m, *f), "gelu", op == "bias_act_dropout", training)
-                    )
+                    out.append(ops.get(op).call(CPU, torch.float32, (m, *f), training, **traits[op]))
     return out
 
 

@@ -1,7 +1,8 @@
 """A toy op defined entirely here, scaled_add(x, y, scale) = x * scale + y: its spec, an eager kernel
 and a plain-PyTorch baseline. With no edit to the package, the dispatcher runs it, explain() explains
 it, the calibration planner plans it on the CPU, a calibration measures it and dispatch.table prints
-it: the test that a new op is one spec file (plus a kernel file per backend that implements it)."""
+it: the test that a new op is one spec file (plus a kernel file per backend that implements it). It
+declares no traits: its calls carry no activation and no dropout."""
 
 from __future__ import annotations
 
@@ -56,8 +57,7 @@ class ScaledAdd(OpSpec):
     name = NAME
     public_name = NAME
     dims = ("M", "N")
-    activations = ("identity",)
-    dropout = False
+    activations = ("identity",)  # the calibrator's one class
     grid = Grid(
         features=((64,),), quick={"cpu": ((64,),)}, classes=(("identity",),), gemm=False,
         check_work=2**20, families=(("training", False), ("inference", False)),
@@ -72,7 +72,7 @@ class ScaledAdd(OpSpec):
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise ValueError(f"scale must be a real number, got {scale!r}")
         grad = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
-        return ScaledAddCall(Call(NAME, device, dtype, rows, "identity", False, grad), x, y, float(scale))
+        return ScaledAddCall(Call(NAME, device, dtype, rows, grad), x, y, float(scale))
 
     def runner(self, kernels: Kernels, call: Call) -> Callable[[OpCall], Tensor]:
         if not call.training:
@@ -145,7 +145,8 @@ def test_explain_explains_it():
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     decision = explain("scaled_add", x, y)
     assert decision.backend.name == "pytorch" and "the first able backend: pytorch" in decision.rule
-    assert str(decision).startswith("scaled_add(4x8, float32, identity, inference) on cpu")
+    assert str(decision).startswith("scaled_add(4x8, float32, inference) on cpu")
+    assert decision.call.traits == () and decision.call.activation is None and not decision.call.dropout
     assert decision.reasons["cublaslt"] == ["cublaslt does not implement scaled_add"]
     assert decision.reasons["eager"] == []
 

@@ -19,11 +19,11 @@ import torch
 
 from dispatch import fused_mlp
 from dispatch.backends.triton import fused_mlp as triton_fused_mlp
-from dispatch.backends.triton import gate, matmul, mlp_gemm
+from dispatch.backends.triton import matmul, mlp_gemm, mlp_hidden
 from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import GATED_NAMES, GATES
 from dispatch.contracts.tolerances import check
-from dispatch.ops.fused_mlp import TENSORS, Block, reference
+from dispatch.ops.fused_mlp import TENSORS, MLPOperands, reference
 
 triton_backend = pytest.importorskip("dispatch.backends.triton").BACKEND
 if triton_backend.unavailable():
@@ -42,7 +42,7 @@ def variant(request):
 
 
 def _inputs(activation, pair, bias, dtype, shape, device, x_shape=None):
-    """Block.tensors for (M, H, F, H_out): x, w_in, w_up, b_in, b_up, w_out, b_out."""
+    """MLPOperands.tensors for (M, H, F, H_out): x, w_in, w_up, b_in, b_up, w_out, b_out."""
     m, h, f, h_out = shape
     f_in = 2 * f if activation in GATES and not pair else f
 
@@ -71,7 +71,7 @@ def _grads(y, leaves, grad_y) -> list[Optional[torch.Tensor]]:
 
 def _public(backend, tensors, activation, p, p_out, seed, grad_y, needs, training=True):
     """fused_mlp on ``backend``, generator seeded ``seed``: y and, for a ``grad_y``, the gradients in
-    Block.tensors order."""
+    MLPOperands.tensors order."""
     x, w_in, w_up, b_in, b_up, w_out, b_out = leaves = _leaves(tensors, needs)
     gen = torch.Generator(device=x.device).manual_seed(seed)
     w = w_in if w_up is None else (w_in, w_up)
@@ -89,7 +89,8 @@ def _reference(tensors, activation, p, p_out, seed, grad_y, needs):
     out = dropout_rng.draw_for(x, gen, m * h_out) if p_out > 0 else None
     leaves = _leaves(tensors, needs, torch.float64)
     rows = leaves[0].reshape(m, x.shape[-1])
-    y = reference(Block(rows, *leaves[1:], activation, p, p_out), (hidden, out)).view(*x.shape[:-1], h_out)
+    operands = MLPOperands(rows, *leaves[1:], activation, p, p_out)
+    y = reference(operands, (hidden, out)).view(*x.shape[:-1], h_out)
     return y.detach(), None if grad_y is None else _grads(y, leaves, grad_y)
 
 
@@ -200,10 +201,11 @@ def test_host_rng_equals_its_tensor_form(device):
     host = dropout_rng.HostRng(2**64 - 3, 2**32 + 7)
     tensor = dropout_rng.as_tensor(host, torch.device(device))
     pre, grad_a = torch.randn(9, 26, device=device), torch.randn(9, 13, device=device)
-    assert torch.equal(gate.forward(pre, "swiglu", 0.3, host), gate.forward(pre, "swiglu", 0.3, tensor))
+    forward = mlp_hidden.forward
+    assert torch.equal(forward(pre, "swiglu", 0.3, host), forward(pre, "swiglu", 0.3, tensor))
     for a, b in zip(
-        gate.backward(grad_a, pre, "swiglu", 0.3, host, True, True, True),
-        gate.backward(grad_a, pre, "swiglu", 0.3, tensor, True, True, True),
+        mlp_hidden.backward(grad_a, pre, "swiglu", 0.3, host, True, True, True),
+        mlp_hidden.backward(grad_a, pre, "swiglu", 0.3, tensor, True, True, True),
     ):
         assert torch.equal(a, b)
 
@@ -226,8 +228,8 @@ def test_epilogue_kernels_take_host_rng_words(device):
         assert torch.equal(first, second)
     a, pre, grad_pre, a_again, grad_bias = results[0]
     assert torch.equal(a, a_again)
-    check("a", a, gate.forward(pre, "swiglu", 0.3, host))
-    want_pre, _, want_bias = gate.backward(g @ w_out, pre, "swiglu", 0.3, host, True, False, True)
+    check("a", a, mlp_hidden.forward(pre, "swiglu", 0.3, host))
+    want_pre, _, want_bias = mlp_hidden.backward(g @ w_out, pre, "swiglu", 0.3, host, True, False, True)
     check("grad_pre", grad_pre, want_pre)
     check("grad_bias", grad_bias, want_bias)
 

@@ -3,36 +3,80 @@ backend's declaration of what it supports (``Backend``). Imports nothing of ours
 contracts.
 
 A backend is one folder under ``dispatch/backends/`` whose ``__init__`` builds a :class:`Backend` named
-``BACKEND``; ``dispatch.registry`` collects them. For each op it implements it gives one kernels
-object, of the protocol the op's spec defines (``dispatch/ops/<op>.py``: ``Kernels``); a backend that
-serves every op (eager: the spec's reference; pytorch: its baseline) builds them from the spec.
+``BACKEND``; ``dispatch.registry`` finds and collects them. For each op it implements it gives one
+kernels object, of the protocol the op's spec defines (``dispatch/ops/<op>.py``: ``Kernels``), in its
+own ``<op>.py`` (``dispatch.ops.KernelFiles``); a backend that serves every op (eager: the spec's
+reference; pytorch: its baseline) builds them from the spec where it has no such file.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
+# The traits the calibrator's cases carry (``dispatch.contracts.op.Case``), whatever their op declares.
+ACTIVATION_DROPOUT = ("activation", "dropout")
 
-class Call(NamedTuple):
-    """What the dispatcher knows of one call: the key of its decision."""
 
+class _CallFields(NamedTuple):
     op: str
     device: torch.device
     dtype: torch.dtype
     shape: tuple[int, ...]  # the op's decision dims, M first: (M, N), (M, N, K), ...
-    activation: str
-    dropout: bool  # p > 0 and training
     training: bool  # autograd will need a backward
+    traits: tuple[str, ...] = ()  # the names of the traits the op declares (``OpSpec.traits``)
+    values: tuple[Any, ...] = ()  # their values, in that order: "gelu", True (p > 0 and training)...
+
+
+_new = tuple.__new__
+
+
+class Call(_CallFields):
+    """What the dispatcher knows of one call: the key of its decision. Past the op, device, dtype,
+    decision shape and mode it holds the traits its op declares (``OpSpec.traits``: bias_act_dropout's
+    activation and dropout, fused_linear's activation) and no other: an op may declare none.
+
+    ``Call(op, device, dtype, shape, activation, dropout, training)``, the form from before traits,
+    still builds a call with those two (for callers not moved yet)."""
+
+    __slots__ = ()
+
+    def __new__(cls, op: str, device: torch.device, dtype: torch.dtype, shape: tuple[int, ...],
+                training: bool, traits: tuple[str, ...] = (), values: tuple = ()) -> Call:  # fmt: skip
+        if type(values) is bool:  # the former (..., shape, activation, dropout, training)
+            training, traits, values = values, ACTIVATION_DROPOUT, (training, traits)  # type: ignore
+        return _new(cls, (op, device, dtype, shape, training, traits, values))
+
+    def trait(self, name: str, default: Any = None) -> Any:
+        """The value of the trait ``name``, or ``default`` where the op declares no such trait."""
+        return self.values[self.traits.index(name)] if name in self.traits else default
+
+    @property
+    def activation(self) -> Optional[str]:
+        return self.trait("activation")
+
+    @property
+    def dropout(self) -> bool:
+        """p > 0 in training (False for an op without dropout)."""
+        return bool(self.trait("dropout", False))
 
     def __str__(self) -> str:
         dims = "x".join(map(str, self.shape))
-        mode = "training" if self.training else "inference"
-        drop = ", dropout" if self.dropout else ""
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{self.op}({dims}, {dtype}, {self.activation}{drop}, {mode}) on {self.device}"
+        traits = [
+            (name if value else "") if type(value) is bool else str(value)
+            for name, value in zip(self.traits, self.values)
+        ]
+        mode = "training" if self.training else "inference"
+        return f"{self.op}({', '.join(p for p in (dims, dtype, *traits, mode) if p)}) on {self.device}"
+
+
+# A Call from its seven fields as one tuple, unchecked, without a Python frame: for a spec's ``parse``,
+# which runs on every call (~0.1 us less than ``Call(...)``).
+new_call: Callable[[tuple], Call] = functools.partial(_new, Call)
 
 
 def _never(activation: str) -> bool:
@@ -43,15 +87,16 @@ def _never(activation: str) -> bool:
 class Kernels:
     """One backend's implementation of one op; the signatures are the op's (its spec's docstring).
     ``autograd(activation)``: forward is plain torch ops that torch's autograd differentiates itself
-    (no Function around it); ``masks``: "spec" regenerates dropout masks from
-    ``dispatch.contracts.rng`` in backward, "torch" draws them from torch's RNG as nn.Dropout does,
-    "generator" takes the caller's generator and draws the spec's masks through the ops it chains
-    (composed). Kernels take x as rows, (M, features), unless ``any_shape``."""
+    (no Function around it; ``activation`` the call's, None for an op without one); ``masks``: "spec"
+    regenerates dropout masks from ``dispatch.contracts.rng`` in backward, "torch" draws them from
+    torch's RNG as nn.Dropout does, "generator" takes the caller's generator and draws the spec's
+    masks through the ops it chains (composed). Kernels take x as rows, (M, features), unless
+    ``any_shape``."""
 
     forward: Callable[..., Any]
     backward: Callable[..., Any]
     inference: Callable[..., Any]
-    autograd: Callable[[str], bool] = _never
+    autograd: Callable[[Optional[str]], bool] = _never
     masks: str = "spec"
     any_shape: bool = False  # forward and inference take x (..., features) as the caller gave it
 
@@ -108,6 +153,8 @@ class Backend:
     generic: Callable[[str], Optional[Kernels]] = _no_generic
     # Dropout masks from torch's RNG (as nn.Dropout), not dispatch.contracts.rng's spec.
     torch_masks: bool = False
+    # The backend's place in the one order of backends (``dispatch.backends``), lowest first.
+    order: int = 1000
 
     def display_name(self) -> str:
         detail = self.label()
@@ -135,7 +182,7 @@ class Backend:
         if call.dtype not in self.dtypes:
             names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
             reasons.append(f"{self.name} supports dtypes {names}; x is {call.dtype}")
-        if call.activation not in self.activations:
+        if "activation" in call.traits and call.activation not in self.activations:
             reasons.append(
                 f"{self.name} supports activations {', '.join(sorted(self.activations))}; "
                 f"got {call.activation!r}"

@@ -1,22 +1,23 @@
 """What an op is, as the dispatcher, the backends, the calibrator and the tables agree on it.
 
 An op is one ``OpSpec`` (``dispatch/ops/<op>.py``): its argument checks, which produce one typed call
-object (an ``OpCall``), the features its table keys on, the reference math, the plain-PyTorch
-baseline, how a call runs on a backend's kernels, and its calibration inputs. Backends give each op
-they implement one kernels object; the spec says how to call it. Imports nothing of ours but the
-other contracts.
+object (an ``OpCall``), the traits its decisions and table key on, the reference math, the
+plain-PyTorch baseline, how a call runs on a backend's kernels, and its calibration inputs. Backends
+give each op they implement one kernels object; the spec says how to call it. Imports nothing of ours
+but the other contracts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from dispatch.contracts.backend import Call, Kernels
+from dispatch.contracts.backend import ACTIVATION_DROPOUT, Call, Kernels
 
 P_DROPOUT = 0.1  # the p of every calibrated dropout case: a cost does not depend on p, 0.1 is common
 
@@ -48,8 +49,10 @@ class Case:
     device: torch.device
 
     def call(self) -> Call:
-        shape = (self.m, *self.features)
-        return Call(self.op, self.device, self.dtype, shape, self.activation, self.dropout, self.training)
+        """The case as a call, with its activation and dropout whatever traits the op declares (what
+        reads a call by trait, a backend's refusals or a table's key, reads only the op's)."""
+        shape, values = (self.m, *self.features), (self.activation, self.dropout)
+        return Call(self.op, self.device, self.dtype, shape, self.training, ACTIVATION_DROPOUT, values)
 
     @property
     def p(self) -> float:
@@ -96,13 +99,33 @@ class OpSpec:
     name: str  # the op's name in tables, backends and explain()
     public_name: str  # the public function's name
     dims: tuple[str, ...]  # the decision shape's dims, M first: ("M", "N") or ("M", "N", "K")
-    activations: tuple[str, ...]
-    dropout: bool  # whether calls may drop out (a table key field)
+    # What a call holds past its sizes, dtype and mode, which its decision and table entries key on
+    # (a table entry's field each): "activation", "dropout" (p > 0 in training) or the op's own.
+    traits: tuple[str, ...] = ()
+    activations: tuple[str, ...]  # the activations calls take (the calibrator's classes)
     grid: Grid
 
     @property
     def feature_dims(self) -> int:
         return len(self.dims) - 1
+
+    @property
+    def dropout(self) -> bool:
+        """Whether calls may drop out: the op declares the dropout trait."""
+        return "dropout" in self.traits
+
+    def call(self, device: torch.device, dtype: torch.dtype, shape: tuple[int, ...], training: bool,
+             **traits: Any) -> Call:  # fmt: skip
+        """A call of this op, its traits by name: ``fused_linear``'s ``call(..., activation="gelu")``
+        (a spec's own ``parse`` builds its calls without this frame: it runs every call)."""
+        if traits.keys() != set(self.traits):
+            raise ValueError(f"{self.name} calls take the traits {self.traits}, got {tuple(traits)}")
+        values = tuple(traits[t] for t in self.traits)
+        return Call(self.name, device, dtype, shape, training, self.traits, values)
+
+    def function(self) -> Callable[..., Tensor]:
+        """The public function: the one named ``public_name`` in the spec's module."""
+        return getattr(sys.modules[type(self).__module__], self.public_name)
 
     def parse(self, *args: Any, **kwargs: Any) -> OpCall:
         """The checked call: raises a clear error naming the first bad argument."""

@@ -118,7 +118,7 @@ def _from_host(gen: torch.Generator, numel: int) -> HostRng | None:
     while a CUDA graph is being captured (the draw must then be a kernel of the graph)."""
     try:
         # raises during capture. Not torch.cuda.is_current_stream_capturing(): with kernels queued it
-        # cost ~14 us of host time a call on the H200 (vs 0.5 us idle)
+        # costs ~14 us of host time a call (0.5 us idle)
         offset = gen.get_offset()
     except RuntimeError:
         return None

@@ -13,17 +13,14 @@ from typing import Optional
 
 from dispatch.heuristics.schema import Point
 
-# The clock's own spread: eager and plain PyTorch on the same kernels read 0.949-1.045x of each other
-# (held out, H200, 2026-12-03). At 5% instead of 3% two calibrations agreed on 95.7% of 4554 cells, not
-# 94.1%; 88 of 7164 point decisions moved to the preferred backend at a median 3.6% more cost.
+# The clock's own spread: eager and plain PyTorch on the same kernels read 0.949-1.045x of each other.
 NOISE = 0.05
 BASELINE = "pytorch"  # F.dropout(act(x + b), p) / act(F.linear(x, w, b)): what a user writes
 # Plain PyTorch first: within NOISE the call runs what its user wrote (no surprise); then the reference,
 # then the least compiling (composed compiles only where its sub-calls do).
 PREFERENCE = (BASELINE, "eager", "cublaslt", "triton", "composed", "inductor", "nvfuser")
-# Without autograd cuBLASLt's epilogue saves eager's activation pass: bf16 GPU time 0.61-1.006x eager's
-# (101 points, 12-03), host cost alike. Training keeps eager before it: cuBLASLt's Python Function costs
-# 1.47x.
+# Without autograd cuBLASLt's epilogue saves eager's activation pass (bf16 GPU time 0.61-1.006x eager's,
+# host cost alike). Training keeps eager before it: cuBLASLt's Python Function costs 1.47x.
 PREFERENCE_INFERENCE = (BASELINE, "cublaslt", "eager", "triton", "composed", "inductor", "nvfuser")
 
 

@@ -25,28 +25,44 @@ MAX_SIZE = 2**62
 
 
 class EntryKey(NamedTuple):
-    """What a table entry answers for, bar its feature sizes: the key a call is looked up by."""
+    """What a table entry answers for, bar its feature sizes: the key a call is looked up by. Past the
+    op, dtype and mode, the traits its op declares (``OpSpec.traits``), each an entry field of that
+    name; an entry's other fields key nothing (fused_linear's ``dropout``, which every entry holds)."""
 
     op: str
     dtype: str  # a torch dtype's name: "float32", "bfloat16"...
-    activation: str
     mode: str  # "inference" or "training"
-    dropout: bool  # False for every op whose spec has no dropout
+    traits: tuple[tuple[str, Any], ...]  # (name, value) of each trait of the op's, in its order
+
+    @classmethod
+    def of_fields(cls, op: str, dtype: str, mode: str, fields: Mapping[str, Any]) -> EntryKey:
+        """The key of an op's entry or call whose traits' values are ``fields[name]``."""
+        traits = tuple((name, fields.get(name)) for name in ops.get(op).traits)
+        return cls(op, dtype, mode, traits)
 
     @classmethod
     def make(cls, op: str, dtype: str, activation: str, mode: str, dropout: bool) -> EntryKey:
-        return cls(op, dtype, activation, mode, bool(dropout) and ops.get(op).dropout)
+        """The key of a calibrated family's entry, which has an activation and a dropout flag."""
+        return cls.of_fields(op, dtype, mode, {"activation": activation, "dropout": bool(dropout)})
 
     @classmethod
     def of_entry(cls, e: Mapping[str, Any]) -> EntryKey:
         """The key of a table entry (or a held-out-size record, which has the same fields)."""
-        return cls.make(e["op"], e["dtype"], e["activation"], e["mode"], e["dropout"])
+        return cls.of_fields(e["op"], e["dtype"], e["mode"], e)
 
     @classmethod
     def of_call(cls, call: Call) -> EntryKey:
         mode = "training" if call.training else "inference"
         dtype = str(call.dtype).removeprefix("torch.")
-        return cls.make(call.op, dtype, call.activation, mode, call.dropout)
+        return cls.of_fields(call.op, dtype, mode, dict(zip(call.traits, call.values)))
+
+    @property
+    def activation(self) -> Optional[str]:
+        return dict(self.traits).get("activation")
+
+    @property
+    def dropout(self) -> bool:
+        return bool(dict(self.traits).get("dropout", False))
 
 
 class EntryId(NamedTuple):
@@ -111,7 +127,7 @@ class EntryRecord(TypedDict, total=False):
 
     op: str
     dtype: str  # a torch dtype's name
-    activation: str
+    activation: str  # the op's traits (``OpSpec.traits``) are fields: activation, dropout, its own
     mode: str  # "inference" or "training"
     dropout: bool
     features: list[int]  # the decision shape after M: [N], [N, K]...

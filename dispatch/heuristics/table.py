@@ -153,7 +153,7 @@ class Table:
             notes.append(f"runner-up {seg.runner_up}{margin}")
         where = f"heuristics table {self.slug}{via} ({self.path})"
         gpu = seg.gpu_backend if seg.gpu_backend != seg.backend else None
-        what = f"{key.op} {key.dtype} {key.activation} {key.mode}"
+        what = " ".join([key.op, key.dtype, *(v for _, v in key.traits if type(v) is str), key.mode])
         return Choice(seg.backend, f"{where}: {what}, {'; '.join(notes)}", gpu)
 
     def missing(self, call: Call, via: str = "") -> str:

@@ -154,16 +154,30 @@ def _point(p: Any, where: str, version: int) -> int:
     return _get(p, "m", where, _integer)
 
 
+def _scalar(v: Any, where: str) -> Any:
+    if type(v) not in (str, bool, int, float):
+        raise _bad(where, "a string, number, true or false", v)
+    return v
+
+
+# Every entry holds these two fields, whether its op declares them as traits or not: the calibrator
+# writes them and ``python -m dispatch.table`` reads them for every op. Any other trait an op declares
+# must be a string, number or boolean.
+_TRAITS = {"activation": _string, "dropout": _boolean}
+
+
 def _key_fields(e: dict, where: str) -> tuple[EntryKey, tuple[int, ...]]:
-    """The lookup key and feature sizes of an entry (or a held-out-size record, with the same keys)."""
+    """The lookup key and feature sizes of an entry (or a held-out-size record, with the same keys):
+    its op, dtype, mode and the traits its op declares (``OpSpec.traits``), each a field."""
     op = _get(e, "op", where, _string, ops.names())
     dtype = _get(e, "dtype", where, _dtype_name)
-    activation = _get(e, "activation", where, _string)
     mode = _get(e, "mode", where, _string, MODES)
-    dropout = _get(e, "dropout", where, _boolean)
-    sizes = _get(e, "features", where, _array, ops.get(op).feature_dims)
+    spec = ops.get(op)
+    for name in (*_TRAITS, *(t for t in spec.traits if t not in _TRAITS)):
+        _get(e, name, where, _TRAITS.get(name, _scalar))
+    sizes = _get(e, "features", where, _array, spec.feature_dims)
     features = tuple(_integer(f, f"{where}.features[{i}]") for i, f in enumerate(sizes))
-    return EntryKey.make(op, dtype, activation, mode, dropout), features
+    return EntryKey.of_fields(op, dtype, mode, e), features
 
 
 def _segment(s: Any, where: str, version: int) -> Segment:

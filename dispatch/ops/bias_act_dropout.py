@@ -1,7 +1,8 @@
 """bias_act_dropout: Dropout(Activation(x + bias)), the op's one room. In order: the call object and its
-checks, the kernels' signatures, the reference and baseline math, how a call runs on kernels (inference,
-torch's autograd, or the autograd Function that regenerates the mask in backward), the custom ops a
-compiled graph keeps, the spec with its calibration inputs, and the public function."""
+checks, the kernels' signatures, the reference and baseline math, how its kernels take a call
+(``dispatch.contracts.running`` runs it: inference, torch's autograd, or one autograd node that
+regenerates the mask in backward), the custom op a compiled graph keeps, the spec with its
+calibration inputs, and the public function."""
 
 from __future__ import annotations
 
@@ -12,16 +13,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dispatch import ops
-from dispatch.contracts import checks
+from dispatch.contracts import checks, running
 from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS
-from dispatch.contracts.backend import Call, Kernels, composite_kernels
-from dispatch.contracts.op import (
-    Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads, torch_keep, torch_keep_scale,
-)  # fmt: skip
+from dispatch.contracts.backend import Call, Kernels, composite_kernels, new_call
+from dispatch.contracts.op import Case, Grid, Inputs, OpCall, OpSpec, torch_keep, torch_keep_scale
 from dispatch.contracts.rng import Rng
 
 NAME = "bias_act_dropout"
+TRAITS = ("activation", "dropout")  # a call's, past its sizes and dtype: what decisions key on
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -57,7 +57,7 @@ def parse(
         x, bias, activation, p, training, generator
     )
     grad = _grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-    call = Call(NAME, device, dtype, shape, activation, dropout and p < 1.0, grad)
+    call = new_call((NAME, device, dtype, shape, grad, TRAITS, (activation, dropout and p < 1.0)))
     size = x.shape
     return BiasActDropoutCall(
         call, x, bias, activation, p if dropout else 0.0, dropout, generator, size, len(size) == 2
@@ -147,55 +147,23 @@ BASELINE_KERNELS = composite_kernels(baseline, _baseline_backward, baseline, any
 
 # ----------------------------------------------------------------------------- running on kernels
 
-
-class BiasActDropout(torch.autograd.Function):
-    """A backend's forward and backward; the mask regenerated from rng, never saved."""
-
-    @staticmethod
-    def forward(ctx: Any, x, bias, kernels, activation, p, rng):  # type: ignore[override]
-        ctx.kernels, ctx.activation, ctx.p = kernels, activation, p
-        if isinstance(rng, Tensor) or rng is None:
-            ctx.save_for_backward(x, bias, rng)
-            ctx.rng = None
-        else:  # HostRng: plain integers
-            ctx.save_for_backward(x, bias)
-            ctx.rng = rng
-        return kernels.forward(x, bias, activation, p, rng)
-
-    @staticmethod
-    def backward(ctx: Any, grad_y):  # type: ignore[override]
-        saved = ctx.saved_tensors
-        x, bias, rng = saved[0], saved[1], saved[2] if len(saved) == 3 else ctx.rng
-        need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and bias is not None
-        activation, p = ctx.activation, ctx.p
-        if torch.is_grad_enabled():  # create_graph=True: the reference, same mask
-            dtype = compute_dtype(x.dtype)
-
-            def make_y() -> Tensor:
-                return reference(x.to(dtype), None if bias is None else bias.to(dtype), activation, p, rng)
-
-            grad_x, grad_bias = differentiable_grads(make_y, (x, bias), (need_x, need_bias), grad_y)
-        elif need_x or need_bias:
-            grad_x, grad_bias = ctx.kernels.backward(grad_y, x, bias, activation, p, rng, need_x, need_bias)
-        else:
-            grad_x = grad_bias = None
-        return grad_x, grad_bias, None, None, None, None
+# The kernels' arguments are the tensors (x, bias), then the settings (activation, p, rng); forward
+# returns y alone (backward needs only the inputs and the rng).
+CALLING = running.Calling(
+    tensors=2,
+    backward=lambda kernels, grad_y, tensors, saved, settings, needs: kernels.backward(
+        grad_y, *tensors, *settings, *needs
+    ),
+    differentiable=lambda tensors, settings: reference(*tensors, *settings),
+    saves=False,
+)
 
 
-def runner(kernels: Kernels, call: Call) -> Callable[[BiasActDropoutCall], Tensor]:
-    """How calls like ``call`` run on ``kernels``, chosen once per decision: the kernels' inference,
-    their forward under torch's autograd, or the Function; the spec's rng drawn only for dropout."""
-    draws = kernels.masks == "spec" and call.dropout
-    torch_masks = kernels.masks != "spec"
-    any_shape = kernels.any_shape
-    if not call.training or kernels.autograd(call.activation):
-        run = kernels.forward if call.training else kernels.inference
-    else:
-        apply = BiasActDropout.apply
-
-        def run(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Any) -> Tensor:
-            return apply(x, bias, kernels, activation, p, rng)
-
+def _bind(
+    run: Callable[..., Tensor], kernels: Kernels, draws: bool
+) -> Callable[[BiasActDropoutCall], Tensor]:
+    """One call on ``run``: x as rows (unless the kernels take any shape), the spec's rng drawn only
+    where ``draws``, the caller's generator for kernels whose masks are torch's."""
     if draws:
         draw_for = dropout_rng.draw_for
 
@@ -206,7 +174,8 @@ def runner(kernels: Kernels, call: Call) -> Callable[[BiasActDropoutCall], Tenso
             return run(x, c.bias, c.activation, c.p, draw_for(x, c.generator)).view(c.shape)
 
         return drawing
-    if any_shape:
+    torch_masks = kernels.masks != "spec"
+    if kernels.any_shape:
 
         def shaped(c: BiasActDropoutCall) -> Tensor:
             return run(c.x, c.bias, c.activation, c.p, c.generator if torch_masks else None)
@@ -225,67 +194,26 @@ def runner(kernels: Kernels, call: Call) -> Callable[[BiasActDropoutCall], Tenso
 # ----------------------------------------------------------------------------- torch.compile
 
 
-_EMPTY = (0,)
-
-
-def _empty_if_none(t: Optional[Tensor], like: Tensor) -> Tensor:
-    return like.new_empty(_EMPTY) if t is None else t
-
-
 def _kernels(x: Tensor, activation: str, dropout: bool, training: bool, backend: str) -> Any:
-    call = Call(NAME, x.device, x.dtype, tuple(x.shape), activation, dropout, training)
+    call = Call(NAME, x.device, x.dtype, tuple(x.shape), training, TRAITS, (activation, dropout))
     return ops.dispatcher().kernels(call, backend or None)
 
 
-@torch.library.custom_op("fusedispatch::bias_act_dropout", mutates_args=())
-def _custom(
-    x: Tensor,
-    bias: Optional[Tensor],
-    activation: str,
-    p: float,
-    rng: Optional[Tensor],
-    backend: str,
-    training: bool,
-) -> Tensor:
-    kernels = _kernels(x, activation, rng is not None, training, backend)
-    return kernels.forward(x, bias, activation, p, rng if kernels.masks == "spec" else None)
-
-
-@_custom.register_fake
-def _(x, bias, activation, p, rng, backend, training):
+def _fake(x, bias, activation, p, rng, backend, training):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("fusedispatch::bias_act_dropout_backward", mutates_args=())
-def _custom_backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, p: float,
-                     rng: Optional[Tensor], need_x: bool, need_bias: bool,
-                     backend: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, p: float,
+              rng: Optional[Tensor], backend: str, needs: list[bool]) -> list[Tensor]:  # fmt: skip
     kernels = _kernels(x, activation, rng is not None, True, backend)
-    grad_x, grad_bias = kernels.backward(grad_y, x, bias, activation, p, rng, need_x, need_bias)
-    return _empty_if_none(grad_x, x), _empty_if_none(grad_bias, x)
+    grads = kernels.backward(grad_y, x, bias, activation, p, rng, *needs)
+    return [x.new_empty((0,)) if g is None else g for g in grads]
 
 
-@_custom_backward.register_fake
-def _(grad_y, x, bias, activation, p, rng, need_x, need_bias, backend):
-    grad_x = x.new_empty(x.shape if need_x else _EMPTY)
-    return grad_x, x.new_empty(bias.shape if need_bias and bias is not None else _EMPTY)
-
-
-def _setup(ctx, inputs, output):
-    x, bias, activation, p, rng, backend, _ = inputs
-    ctx.save_for_backward(x, bias, rng)
-    ctx.args = (activation, p, backend)
-
-
-def _backward(ctx, grad_y):
-    x, bias, rng = ctx.saved_tensors
-    activation, p, backend = ctx.args
-    need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and bias is not None
-    grad_x, grad_bias = _custom_backward(grad_y, x, bias, activation, p, rng, need_x, need_bias, backend)
-    return (grad_x if need_x else None), (grad_bias if need_bias else None), None, None, None, None, None
-
-
-_custom.register_autograd(_backward, setup_context=_setup)
+@running.custom_op(NAME, _fake, _backward, tensors=2)
+def _custom(x: Tensor, bias: Optional[Tensor], activation: str, p: float, rng: Optional[Tensor],
+            backend: str, training: bool) -> Tensor:  # fmt: skip
+    return _kernels(x, activation, rng is not None, training, backend).forward(x, bias, activation, p, rng)
 
 
 # ----------------------------------------------------------------------------- the spec
@@ -295,8 +223,8 @@ class BiasActDropoutSpec(OpSpec):
     name = NAME
     public_name = "fused_bias_act_dropout"
     dims = ("M", "N")
+    traits = TRAITS
     activations = ACTIVATION_NAMES
-    dropout = True
     grid = Grid(
         features=((3072,), (768,), (4096,), (14336,), (28672,)),  # GPT-2 MLP and hidden, LLaMA
         quick={"cuda": ((3072,), (4096,), (14336,)), "cpu": ((3072,), (768,))},
@@ -312,7 +240,7 @@ class BiasActDropoutSpec(OpSpec):
         return parse(*args, **kwargs)
 
     def runner(self, kernels: Any, call: Call) -> Callable[[OpCall], Tensor]:
-        return runner(kernels, call)  # type: ignore[return-value]
+        return running.runner(CALLING, kernels, call, _bind)
 
     def special(self, c: BiasActDropoutCall, backend: Optional[str]) -> Optional[Tensor]:
         """p == 1 in training drops everything: the activation times zero, as F.dropout (zeros, NaN

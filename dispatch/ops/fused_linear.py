@@ -1,8 +1,9 @@
 """fused_linear: Activation(x @ W^T + b), the op's one room.
 
 In order: the call object and its checks, the kernels' signatures, the reference and baseline math,
-how a call runs on kernels (inference, torch's autograd, or the autograd Function), the torch.library
-custom op a compiled graph keeps, the public function, and the calibration inputs.
+how its kernels take a call (``dispatch.contracts.running`` runs it: inference, torch's autograd, or
+one autograd node), the torch.library custom op a compiled graph keeps, the spec with its calibration
+inputs, and the public function.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dispatch import ops
-from dispatch.contracts import checks
+from dispatch.contracts import checks, running
 from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS
-from dispatch.contracts.backend import Call, Kernels, composite_kernels
-from dispatch.contracts.op import Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads
+from dispatch.contracts.backend import Call, Kernels, composite_kernels, new_call
+from dispatch.contracts.op import Case, Grid, Inputs, OpCall, OpSpec, compute_dtype
 
 NAME = "fused_linear"
+TRAITS = ("activation",)  # a call's, past its sizes and dtype: what decisions key on
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -50,9 +52,8 @@ def parse(x: object, weight: object, bias: object = None, activation: object = "
     grad = _grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    return FusedLinearCall(
-        Call(NAME, device, dtype, shape, activation, False, grad), x, weight, bias, activation, flat
-    )
+    call = new_call((NAME, device, dtype, shape, grad, TRAITS, (activation,)))
+    return FusedLinearCall(call, x, weight, bias, activation, flat)
 
 
 def rows(c: FusedLinearCall) -> Tensor:
@@ -136,63 +137,21 @@ def _baseline_backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional
 BASELINE_KERNELS = composite_kernels(_baseline_forward, _baseline_backward, baseline, any_shape=True)
 
 
-class FusedLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x, weight, bias, kernels, activation):  # type: ignore[override]
-        y, saved = kernels.forward(x, weight, bias, activation)
-        ctx.kernels, ctx.activation = kernels, activation
-        ctx.save_for_backward(x, weight, bias, saved)
-        return y
+# ----------------------------------------------------------------------------- running on kernels
 
-    @staticmethod
-    def backward(ctx: Any, grad_y):  # type: ignore[override]
-        x, weight, bias, saved = ctx.saved_tensors
-        needs = (
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
-            ctx.needs_input_grad[2] and bias is not None,
-        )
-        activation = ctx.activation
-        if torch.is_grad_enabled():  # create_graph=True: ``saved`` has no graph; the reference has
-            dtype = compute_dtype(x.dtype)
-
-            def make_y() -> Tensor:
-                b = None if bias is None else bias.to(dtype)
-                return reference(x.to(dtype), weight.to(dtype), b, activation)
-
-            grads = differentiable_grads(make_y, (x, weight, bias), needs, grad_y)
-        elif any(needs):
-            grads = ctx.kernels.backward(grad_y, x, weight, bias, saved, activation, needs)
-        else:
-            grads = (None, None, None)
-        return (*grads, None, None)
+# The kernels' arguments are the tensors (x, weight, bias), then the setting (activation); forward
+# returns (y, saved), saved one tensor or None.
+CALLING = running.Calling(
+    tensors=3,
+    backward=lambda kernels, grad_y, tensors, saved, settings, needs: kernels.backward(
+        grad_y, *tensors, saved[0], *settings, needs
+    ),
+    differentiable=lambda tensors, settings: reference(*tensors, *settings),
+)
 
 
-def runner(kernels: Kernels, call: Call) -> Callable[[FusedLinearCall], Tensor]:
-    """How calls like ``call`` run on ``kernels``, chosen once per decision: their inference, their
-    forward under torch's autograd, or the Function. The baseline runs as a user writes it, its
-    activation looked up once: no frames between the call and torch's ops (training calls of 50 us
-    spent 1.2x the composite's wall time through the generic path, 4x8x2 on a CPU)."""
-    if kernels is BASELINE_KERNELS:
-        act, linear = ACTIVATIONS[call.activation].forward, F.linear
-
-        def composite(c: FusedLinearCall) -> Tensor:
-            return act(linear(c.x, c.weight, c.bias))
-
-        return composite
-    if not call.training:
-        run = kernels.inference
-    elif kernels.autograd(call.activation):
-        forward = kernels.forward
-
-        def run(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
-            return forward(x, weight, bias, activation)[0]
-    else:
-        apply = FusedLinear.apply
-
-        def run(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
-            return apply(x, weight, bias, kernels, activation)
-
+def _bind(run: Callable[..., Tensor], kernels: Kernels, draws: bool) -> Callable[[FusedLinearCall], Tensor]:
+    """One call on ``run``: x as rows unless the kernels take any shape."""
     if kernels.any_shape:
 
         def shaped(c: FusedLinearCall) -> Tensor:
@@ -208,71 +167,57 @@ def runner(kernels: Kernels, call: Call) -> Callable[[FusedLinearCall], Tensor]:
     return plain
 
 
+def runner(kernels: Kernels, call: Call) -> Callable[[FusedLinearCall], Tensor]:
+    """How calls like ``call`` run on ``kernels`` (``running.runner``). The baseline runs as a user
+    writes it, its activation looked up once: no frames between the call and torch's ops (training
+    calls of 50 us spent 1.2x the composite's wall time through the generic path on a CPU)."""
+    if kernels is BASELINE_KERNELS:
+        act, linear = ACTIVATIONS[call.activation].forward, F.linear
+
+        def composite(c: FusedLinearCall) -> Tensor:
+            return act(linear(c.x, c.weight, c.bias))
+
+        return composite
+    return running.runner(CALLING, kernels, call, _bind)
+
+
 # ----------------------------------------------------------------------------- torch.compile
 
 _EMPTY = (0,)
 
 
-def _empty_if_none(t: Optional[Tensor], like: Tensor) -> Tensor:
-    return like.new_empty(_EMPTY) if t is None else t
-
-
 def _kernels(x: Tensor, weight: Tensor, activation: str, training: bool, backend: str) -> Kernels:
-    call = Call(
-        NAME, x.device, x.dtype, (x.shape[0], weight.shape[0], x.shape[1]), activation, False, training
-    )
+    shape = (x.shape[0], weight.shape[0], x.shape[1])
+    call = Call(NAME, x.device, x.dtype, shape, training, TRAITS, (activation,))
     return ops.dispatcher().kernels(call, backend or None)
 
 
-@torch.library.custom_op("fusedispatch::fused_linear", mutates_args=())
-def _custom(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str,
-            training: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
-    kernels = _kernels(x, weight, activation, training, backend)
-    if not training:  # nothing kept (the fake promises an empty saved tensor)
-        return kernels.inference(x, weight, bias, activation), x.new_empty(_EMPTY)
-    y, saved = kernels.forward(x, weight, bias, activation)
-    if saved is None and activation != "identity":  # the fake promises (M, N): the pre-activation
-        saved = F.linear(x, weight, bias)
-    return y, _empty_if_none(saved, x)
-
-
-@_custom.register_fake
-def _(x, weight, bias, activation, backend, training):
+def _fake(x, weight, bias, activation, backend, training):
     shape = (x.shape[0], weight.shape[0])
     return x.new_empty(shape), x.new_empty(_EMPTY if activation == "identity" or not training else shape)
 
 
-@torch.library.custom_op("fusedispatch::fused_linear_backward", mutates_args=())
-def _custom_backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], saved: Tensor,
-                     activation: str, needs: list[bool],
-                     backend: str) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    kernels = _kernels(x, weight, activation, True, backend)
+def _backward(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str,
+              backend: str, saved: Tensor, needs: list[bool]) -> list[Tensor]:  # fmt: skip
     kept = None if saved.numel() == 0 and activation == "identity" else saved
-    grads = kernels.backward(grad_y, x, weight, bias, kept, activation, tuple(needs))
-    return tuple(_empty_if_none(g, x) for g in grads)  # type: ignore[return-value]
+    grads = _kernels(x, weight, activation, True, backend).backward(
+        grad_y, x, weight, bias, kept, activation, tuple(needs)
+    )
+    return [x.new_empty(_EMPTY) if g is None else g for g in grads]
 
 
-@_custom_backward.register_fake
-def _(grad_y, x, weight, bias, saved, activation, needs, backend):
-    shapes = (x.shape, weight.shape, None if bias is None else bias.shape)
-    return tuple(x.new_empty(s if need and s is not None else _EMPTY) for need, s in zip(needs, shapes))
-
-
-def _setup(ctx, inputs, output):
-    x, weight, bias, activation, backend, _ = inputs
-    ctx.save_for_backward(x, weight, bias, output[1])
-    ctx.args = (activation, backend)
-
-
-def _backward(ctx, grad_y, _grad_saved):
-    x, weight, bias, saved = ctx.saved_tensors
-    activation, backend = ctx.args
-    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and bias is not None]
-    grads = _custom_backward(grad_y, x, weight, bias, saved, activation, needs, backend)
-    return *(g if need else None for g, need in zip(grads, needs)), None, None, None
-
-
-_custom.register_autograd(_backward, setup_context=_setup)
+@running.custom_op(NAME, _fake, _backward, tensors=3)
+def _custom(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str,
+            training: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(y, saved): the pre-activation kept for backward ((M, N), as the fake promises; empty for
+    identity or without autograd)."""
+    kernels = _kernels(x, weight, activation, training, backend)
+    if not training:
+        return kernels.inference(x, weight, bias, activation), x.new_empty(_EMPTY)
+    y, saved = kernels.forward(x, weight, bias, activation)
+    if saved is None and activation != "identity":
+        saved = F.linear(x, weight, bias)
+    return y, x.new_empty(_EMPTY) if saved is None else saved
 
 
 # ----------------------------------------------------------------------------- the spec
@@ -282,8 +227,8 @@ class FusedLinearSpec(OpSpec):
     name = NAME
     public_name = "fused_linear"
     dims = ("M", "N", "K")
+    traits = TRAITS
     activations = ACTIVATION_NAMES
-    dropout = False
     grid = Grid(
         features=(
             (3072, 768),  # GPT-2 / BERT / ViT-B up
@@ -298,7 +243,7 @@ class FusedLinearSpec(OpSpec):
         ),
         quick={"cuda": ((3072, 768), (11008, 4096)), "cpu": ((3072, 768), (768, 3072))},
         # relu is a class of its own: triton and cublaslt keep its output and run it in cuBLASLt's
-        # epilogue (234 vs 256 us keeping the pre-activation, gpt2 up bf16 training, H200)
+        # epilogue (234 vs 256 us keeping the pre-activation)
         classes=(("identity",), ("gelu_tanh", "gelu", "silu", "leaky_relu", "squared_relu"), ("relu",)),
         gemm=True,
         check_work=2**34,

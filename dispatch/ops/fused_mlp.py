@@ -2,10 +2,11 @@
 one room. ``act`` is any activation of the table or a gate (``GATES``: act(gate) * up, where the first
 projection yields [gate; up], gate rows first, from one stacked (2F, H) weight or a (gate, up) pair).
 
-In order: the call object and its checks, how a call runs on kernels (inference, torch's autograd, or
-the autograd Function that regenerates both dropout masks in backward), the torch.library custom op a
-compiled graph keeps, the spec with its calibration inputs, and the public function. The block's
-definition (the ``Block`` kernels take, their signatures, the reference and baseline math) is
+In order: the call object and its checks, how its kernels take a call (``dispatch.contracts.running``
+runs it: inference, torch's autograd, or one autograd node that regenerates both dropout masks in
+backward), the torch.library custom op a compiled graph keeps, the spec with its calibration inputs,
+and the public function. The block's
+definition (the ``MLPOperands`` kernels take, their signatures, the reference and baseline math) is
 ``fused_mlp_math.py``, the room's other file.
 """
 
@@ -18,27 +19,26 @@ import torch
 from torch import Tensor
 
 from dispatch import ops
-from dispatch.contracts import checks
+from dispatch.contracts import checks, running
 from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS, GATED_NAMES, GATES
-from dispatch.contracts.backend import Call, Kernels
-from dispatch.contracts.op import (
-    Case, Grid, Inputs, OpCall, OpSpec, compute_dtype, differentiable_grads, torch_keep,
-)  # fmt: skip
+from dispatch.contracts.backend import Call, Kernels, new_call
+from dispatch.contracts.op import Case, Grid, Inputs, OpCall, OpSpec, torch_keep
 from dispatch.ops.fused_mlp_math import (
-    BASELINE_KERNELS, TENSORS, Block, baseline, cast, composite_runner, reference,
+    BASELINE_KERNELS, TENSORS, MLPOperands, baseline, composite_runner, reference,
 )  # fmt: skip
 
-__all__ = ["TENSORS", "Block", "FusedMLPCall", "fused_mlp", "parse", "reference"]
+__all__ = ["TENSORS", "MLPOperands", "FusedMLPCall", "fused_mlp", "parse", "reference"]
 
 NAME = "fused_mlp"
+TRAITS = ("activation", "dropout")  # a call's, past its sizes and dtype: what decisions key on
 _grad_enabled = torch.is_grad_enabled
 
 
 class FusedMLPCall(OpCall):
     __slots__ = ("block", "generator", "x_shape", "flat")
 
-    def __init__(self, call: Call, block: Block, generator: Optional[torch.Generator],
+    def __init__(self, call: Call, block: MLPOperands, generator: Optional[torch.Generator],
                  x_shape: torch.Size, flat: bool) -> None:  # fmt: skip
         super().__init__(call, block.p == 1.0 or block.p_out == 1.0)  # every element dropped: SPEC.special
         self.block, self.generator, self.x_shape = block, generator, x_shape
@@ -121,48 +121,40 @@ def parse(
         or (b_in is not None and b_in.requires_grad) or (b_out is not None and b_out.requires_grad)
         or (w_up is not None and (w_up.requires_grad or (b_up is not None and b_up.requires_grad)))
     )  # fmt: skip
-    call = Call(NAME, device, dtype, (m, h, f), activation, p > 0 or p_out > 0, grad)
-    block = Block(rows, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
+    call = new_call((NAME, device, dtype, (m, h, f), grad, TRAITS, (activation, p > 0 or p_out > 0)))
+    block = MLPOperands(rows, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
     return FusedMLPCall(call, block, generator, x_shape, flat)
 
 
 # ----------------------------------------------------------------------------- running on kernels
 
-
-class FusedMLP(torch.autograd.Function):
-    """A backend's forward and backward; both masks regenerated from their rngs, never saved."""
-
-    @staticmethod
-    def forward(ctx: Any, kernels, settings, rngs, *tensors):  # type: ignore[override]
-        block = Block(*tensors, *settings)
-        y, saved = kernels.forward(block, rngs)
-        ctx.kernels, ctx.settings, ctx.rngs, ctx.n_saved = kernels, settings, rngs, len(saved)
-        ctx.save_for_backward(*tensors, *saved)
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, grad_y):  # type: ignore[override]
-        kept = ctx.saved_tensors
-        tensors, saved = kept[: len(TENSORS)], kept[len(TENSORS) :]
-        block = Block(*tensors, *ctx.settings)
-        needs = tuple(ctx.needs_input_grad[3:])
-        if torch.is_grad_enabled():  # create_graph=True: the reference, same masks
-            dtype = compute_dtype(block.x.dtype)
-            grads = differentiable_grads(
-                lambda: reference(cast(block, dtype), ctx.rngs), tensors, needs, grad_y
-            )
-        else:
-            grads = ctx.kernels.backward(grad_y, block, ctx.rngs, saved, needs)
-        return (None, None, None, *grads)
+# The kernels' arguments are (operands, rngs), flat: the operands' seven tensors, then the settings
+# (activation, p, p_out) and the rngs; forward returns (y, saved), saved a tuple.
+def _operands(tensors: tuple, settings: tuple) -> MLPOperands:
+    return MLPOperands(*tensors, *settings[:3])
 
 
-def runner(kernels: Kernels, call: Call) -> Callable[[FusedMLPCall], Tensor]:
-    """How calls like ``call`` run on ``kernels``, chosen once per decision."""
-    if kernels is BASELINE_KERNELS:
-        return composite_runner(call)
+def _forward_flat(kernels: Kernels, args: tuple) -> tuple:
+    y, saved = kernels.forward(MLPOperands(*args[:10]), args[10])
+    return y, *saved
+
+
+CALLING = running.Calling(
+    tensors=7,
+    backward=lambda kernels, grad_y, tensors, saved, settings, needs: kernels.backward(
+        grad_y, _operands(tensors, settings), settings[3], saved, needs
+    ),
+    differentiable=lambda tensors, settings: reference(_operands(tensors, settings), settings[3]),
+    flat=lambda args: (*args[0], args[1]),
+    forward=_forward_flat,
+)
+
+
+def _bind(run: Callable[..., Tensor], kernels: Kernels, draws: bool) -> Callable[[FusedMLPCall], Tensor]:
+    """One call on ``run``: both rngs drawn where the masks are the spec's, else the caller's generator."""
     spec_masks = kernels.masks == "spec"
 
-    def draw(c: FusedMLPCall) -> tuple:
+    def rngs(c: FusedMLPCall) -> tuple:
         if not spec_masks:
             return (c.generator, None)
         b, m = c.block, c.call.shape[0]
@@ -170,22 +162,18 @@ def runner(kernels: Kernels, call: Call) -> Callable[[FusedMLPCall], Tensor]:
         out = dropout_rng.draw_for(b.x, c.generator, m * b.w_out.shape[0]) if b.p_out > 0 else None
         return hidden, out
 
-    if not call.training or kernels.autograd(call.activation):
-        training = call.training
-
-        def direct(c: FusedMLPCall) -> Tensor:
-            y = kernels.forward(c.block, draw(c))[0] if training else kernels.inference(c.block, draw(c))
-            return y if c.flat else y.view(c.out_shape)
-
-        return direct
-    apply = FusedMLP.apply
-
-    def with_function(c: FusedMLPCall) -> Tensor:
-        b = c.block
-        y = apply(kernels, b[7:], draw(c), *b.tensors)
+    def one(c: FusedMLPCall) -> Tensor:
+        y = run(c.block, rngs(c))
         return y if c.flat else y.view(c.out_shape)
 
-    return with_function
+    return one
+
+
+def runner(kernels: Kernels, call: Call) -> Callable[[FusedMLPCall], Tensor]:
+    """How calls like ``call`` run on ``kernels`` (``running.runner``; the baseline as a user writes it)."""
+    if kernels is BASELINE_KERNELS:
+        return composite_runner(call)
+    return running.runner(CALLING, kernels, call, _bind)
 
 
 # ----------------------------------------------------------------------------- torch.compile
@@ -193,69 +181,44 @@ def runner(kernels: Kernels, call: Call) -> Callable[[FusedMLPCall], Tensor]:
 _EMPTY = (0,)
 
 
-def _kernels(b: Block, training: bool, backend: str) -> Kernels:
+def _kernels(b: MLPOperands, training: bool, backend: str) -> Kernels:
     """The kernels a graph's call runs on, chosen as it runs: ones that take the spec's rngs the graph
     drew (``select.kernels``: a graph traced under ``use_backend()`` may run outside it)."""
     m, h = b.x.shape
     dropout = b.p > 0 or b.p_out > 0
-    call = Call(NAME, b.x.device, b.x.dtype, (m, h, b.w_out.shape[1]), b.activation, dropout, training)
+    shape = (m, h, b.w_out.shape[1])
+    call = Call(NAME, b.x.device, b.x.dtype, shape, training, TRAITS, (b.activation, dropout))
     return ops.dispatcher().kernels(call, backend or None)
 
 
-@torch.library.custom_op("fusedispatch::fused_mlp", mutates_args=())
-def _custom(x: Tensor, w_in: Tensor, w_up: Optional[Tensor], b_in: Optional[Tensor], b_up: Optional[Tensor],
-            w_out: Tensor, b_out: Optional[Tensor], activation: str, p: float, p_out: float,
-            rng_hidden: Optional[Tensor], rng_out: Optional[Tensor], backend: str,
-            training: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(y, pre): the first projection's output kept for backward, empty without autograd."""
-    b = Block(x, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
-    kernels = _kernels(b, training, backend)
-    if not training:
-        return kernels.inference(b, (rng_hidden, rng_out)), x.new_empty(_EMPTY)
-    y, (pre,) = kernels.forward(b, (rng_hidden, rng_out))
-    return y, pre
-
-
-@_custom.register_fake
-def _(x, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out, rng_hidden, rng_out, backend, training):
+def _fake(x, w_in, w_up, b_in, b_up, w_out, b_out, *settings):  # settings: ..., backend, training
     f_in = w_in.shape[0] * (1 if w_up is None else 2)
-    return x.new_empty((x.shape[0], w_out.shape[0])), x.new_empty((x.shape[0], f_in) if training else _EMPTY)
+    pre = (x.shape[0], f_in) if settings[-1] else _EMPTY
+    return x.new_empty((x.shape[0], w_out.shape[0])), x.new_empty(pre)
 
 
-@torch.library.custom_op("fusedispatch::fused_mlp_backward", mutates_args=())
-def _custom_backward(grad_y: Tensor, x: Tensor, w_in: Tensor, w_up: Optional[Tensor], b_in: Optional[Tensor],
-                     b_up: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], pre: Tensor,
-                     activation: str, p: float, p_out: float, rng_hidden: Optional[Tensor],
-                     rng_out: Optional[Tensor], needs: list[bool], backend: str) -> list[Tensor]:  # fmt: skip
-    b = Block(x, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
+def _backward(grad_y: Tensor, x: Tensor, w_in: Tensor, w_up: Optional[Tensor], b_in: Optional[Tensor],
+              b_up: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], activation: str, p: float,
+              p_out: float, rng_hidden: Optional[Tensor], rng_out: Optional[Tensor], backend: str,
+              pre: Tensor, needs: list[bool]) -> list[Tensor]:  # fmt: skip
+    b = MLPOperands(x, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
     grads = _kernels(b, True, backend).backward(grad_y, b, (rng_hidden, rng_out), (pre,), tuple(needs))
     # an output may alias no other: the halves of one stacked gradient (a pair's biases) are copied
     return [x.new_empty(_EMPTY) if g is None else g.clone() if g._base is not None else g for g in grads]
 
 
-@_custom_backward.register_fake
-def _(grad_y, x, w_in, w_up, b_in, b_up, w_out, b_out, pre, activation, p, p_out, rng_hidden, rng_out, needs,
-      backend):  # fmt: skip
-    tensors = (x, w_in, w_up, b_in, b_up, w_out, b_out)
-    return [t.new_empty(t.shape) if need else x.new_empty(_EMPTY) for t, need in zip(tensors, needs)]
-
-
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:7], output[1], *inputs[10:12])
-    ctx.args = (*inputs[7:10], inputs[12])  # activation, p, p_out, backend
-
-
-def _backward(ctx, grad_y, _grad_pre):
-    *tensors, pre, rng_hidden, rng_out = ctx.saved_tensors
-    activation, p, p_out, backend = ctx.args
-    needs = [need and t is not None for need, t in zip(ctx.needs_input_grad[:7], tensors)]
-    if not any(needs):
-        return (None,) * 14
-    grads = _custom_backward(grad_y, *tensors, pre, activation, p, p_out, rng_hidden, rng_out, needs, backend)
-    return *(g if need else None for g, need in zip(grads, needs)), *(None,) * 7
-
-
-_custom.register_autograd(_backward, setup_context=_setup)
+@running.custom_op(NAME, _fake, _backward, tensors=7)
+def _custom(x: Tensor, w_in: Tensor, w_up: Optional[Tensor], b_in: Optional[Tensor], b_up: Optional[Tensor],
+            w_out: Tensor, b_out: Optional[Tensor], activation: str, p: float, p_out: float,
+            rng_hidden: Optional[Tensor], rng_out: Optional[Tensor], backend: str,
+            training: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(y, pre): the first projection's output kept for backward, empty without autograd."""
+    b = MLPOperands(x, w_in, w_up, b_in, b_up, w_out, b_out, activation, p, p_out)
+    kernels = _kernels(b, training, backend)
+    if not training:
+        return kernels.inference(b, (rng_hidden, rng_out)), x.new_empty(_EMPTY)
+    y, (pre,) = kernels.forward(b, (rng_hidden, rng_out))
+    return y, pre
 
 
 # ----------------------------------------------------------------------------- the spec
@@ -265,8 +228,8 @@ class FusedMLPSpec(OpSpec):
     name = NAME
     public_name = "fused_mlp"
     dims = ("M", "H", "F")
+    traits = TRAITS
     activations = (*ACTIVATION_NAMES, *GATED_NAMES)
-    dropout = True
     grid = Grid(
         features=((768, 3072), (1024, 4096), (896, 4864), (4096, 11008)),  # GPT-2, BERT-large, Qwen2, LLaMA-2
         quick={"cuda": ((768, 3072), (4096, 11008)), "cpu": ((64, 256),)},
@@ -326,7 +289,7 @@ class FusedMLPSpec(OpSpec):
         x, w_in, b_in, w_out, b_out = leaves
         p, p_out = (case.p, case.p) if case.dropout else (0.0, 0.0)
         if backend is None:
-            return baseline(Block(x, w_in, None, b_in, None, w_out, b_out, case.activation, p, p_out))
+            return baseline(MLPOperands(x, w_in, None, b_in, None, w_out, b_out, case.activation, p, p_out))
         gen = (
             torch.Generator(device=case.device).manual_seed(seed + 1)
             if case.dropout and seed is not None
@@ -340,7 +303,7 @@ class FusedMLPSpec(OpSpec):
                        torch_masks: bool = False) -> Tensor:  # fmt: skip
         x, w_in, b_in, w_out, b_out = leaves
         p = case.p if case.dropout else 0.0
-        block = Block(x, w_in, None, b_in, None, w_out, b_out, case.activation, p, p)
+        block = MLPOperands(x, w_in, None, b_in, None, w_out, b_out, case.activation, p, p)
         if not case.dropout:
             return reference(block, upcast=True)
         gen = torch.Generator(device=case.device).manual_seed(seed + 1)
@@ -359,7 +322,7 @@ def module_call(x: Tensor, dtype: torch.dtype, hidden: int, activation: str, dro
     """The decision key ``parse`` would make for a module's call on x (..., H) whose weights are known to
     fit it (``dispatch.nn.FusedMLP``'s own layers): the key alone, without checking the arguments."""
     m, h = checks.rows_of(x.shape)
-    return Call(NAME, x.device, dtype, (m, h, hidden), activation, dropout, grad)
+    return new_call((NAME, x.device, dtype, (m, h, hidden), grad, TRAITS, (activation, dropout)))
 
 
 def fused_mlp(

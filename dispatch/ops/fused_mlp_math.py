@@ -1,7 +1,7 @@
-"""fused_mlp's block and its math, the op's definition: the ``Block`` its kernels take, the signatures
+"""fused_mlp's block and its math, the op's definition: the ``MLPOperands`` its kernels take, the signatures
 they keep, the reference (float64 when asked) and the baseline a user writes, as kernels too.
 ``dispatch.ops.fused_mlp`` builds the op on them (checks, running, custom op, spec) and re-exports
-``Block`` and ``reference``.
+``MLPOperands`` and ``reference``.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from dispatch.contracts.activations import ACTIVATIONS, GATES
 from dispatch.contracts.backend import Call, composite_kernels
 from dispatch.contracts.op import torch_keep, torch_keep_scale
 
-TENSORS = ("x", "w_in", "w_up", "b_in", "b_up", "w_out", "b_out")  # a Block's tensors, in order
+TENSORS = ("x", "w_in", "w_up", "b_in", "b_up", "w_out", "b_out")  # an MLPOperands' tensors, in order
 
 
-class Block(NamedTuple):
+class MLPOperands(NamedTuple):
     """The block's tensors and settings as kernels take them. ``w_in`` (F, H), or (2F, H) stacked
     [gate; up] for a gate, with ``w_up`` None; or a gate's pair: ``w_in`` the gate's (F, H), ``w_up``
     the up projection's. Biases likewise ((F,) / (2F,) / a pair), or None."""
@@ -48,10 +48,10 @@ class Block(NamedTuple):
 # compiled graph keeps promises.
 #   forward(block, rngs) -> (y, saved)                       a call with autograd
 #   inference(block, rngs) -> y                              a call without
-#   backward(grad_y, block, rngs, saved, needs) -> grads     needs and grads follow Block.tensors
+#   backward(grad_y, block, rngs, saved, needs) -> grads     needs and grads follow MLPOperands.tensors
 
 
-def project_in(x: Tensor, b: Block, dtype: Optional[torch.dtype] = None) -> Tensor:
+def project_in(x: Tensor, b: MLPOperands, dtype: Optional[torch.dtype] = None) -> Tensor:
     """x @ W_in^T + b_in: (M, F), or (M, 2F) [gate; up] for a gate; in ``dtype`` if given."""
     cast = (lambda t: t) if dtype is None else (lambda t: None if t is None else t.to(dtype))  # noqa: E731
     pre = F.linear(cast(x), cast(b.w_in), cast(b.b_in))
@@ -60,7 +60,7 @@ def project_in(x: Tensor, b: Block, dtype: Optional[torch.dtype] = None) -> Tens
     return torch.cat([pre, F.linear(cast(x), cast(b.w_up), cast(b.b_up))], dim=-1)
 
 
-def gate_halves(b: Block) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+def gate_halves(b: MLPOperands) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """(w, w_up, b, b_up) of the first projection: a gate's halves, views of the stacked [gate; up]
     weight and bias or the pair as given; (w_in, None, b_in, None) for a plain activation."""
     if b.activation not in GATES:
@@ -80,7 +80,7 @@ def activate(pre: Tensor, activation: str) -> Tensor:
     return ACTIVATIONS[activation].forward(pre)
 
 
-def reference(b: Block, rngs: tuple[Any, Any] = (None, None), upcast: bool = False,
+def reference(b: MLPOperands, rngs: tuple[Any, Any] = (None, None), upcast: bool = False,
               keeps: tuple[Optional[Tensor], Optional[Tensor]] = (None, None)) -> Tensor:  # fmt: skip
     """The definition, differentiable, on the block's (M, H) rows; float64 when ``upcast``. The masks
     are the spec's for ``rngs`` (its scale), or ``keeps``, torch's (F.dropout's 1 / (1 - p))."""
@@ -98,7 +98,7 @@ def drop(t: Tensor, p: float, rng: Any, keep: Optional[Tensor] = None) -> Tensor
     return t if keep is None else t * keep * dropout_rng.keep_scale(p)  # F.dropout's product
 
 
-def baseline(b: Block, generator: Optional[torch.Generator] = None) -> Tensor:
+def baseline(b: MLPOperands, generator: Optional[torch.Generator] = None) -> Tensor:
     """The module a user writes, in x's dtype, dropout from torch's RNG (``generator``'s if given). A
     (gate, up) pair runs as LLaMA's MLP does, down(act(gate(x)) * up(x)): two products, no stacked copy."""
     if b.w_up is None:
@@ -144,18 +144,18 @@ def composite_runner(call: Call) -> Callable[[Any], Tensor]:
     return composite
 
 
-def _baseline_backward(grad_y: Tensor, b: Block, rngs: tuple, saved: tuple, needs: tuple) -> tuple:
+def _baseline_backward(grad_y: Tensor, b: MLPOperands, rngs: tuple, saved: tuple, needs: tuple) -> tuple:
     """Without dropout only: a torch-RNG mask is kept by autograd, never regenerated."""
     if b.p or b.p_out:
         raise RuntimeError("the pytorch backend's dropout masks are torch's: its backward is autograd's")
     return grads_of(lambda blk: baseline(blk), b, needs, grad_y)
 
 
-def grads_of(fn: Callable[[Block], Tensor], b: Block, needs: tuple, grad_y: Tensor) -> tuple:
+def grads_of(fn: Callable[[MLPOperands], Tensor], b: MLPOperands, needs: tuple, grad_y: Tensor) -> tuple:
     """The gradients of ``fn(b)`` in the block's tensors where ``needs`` says (None elsewhere)."""
     leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in zip(b.tensors, needs)]
     with torch.enable_grad():
-        y = fn(Block(*leaves, *b[7:]))  # type: ignore[arg-type]
+        y = fn(MLPOperands(*leaves, *b[7:]))  # type: ignore[arg-type]
     wanted = [t for t in leaves if t is not None and t.requires_grad]
     found = iter(torch.autograd.grad(y, wanted, grad_y) if wanted else ())
     return tuple(next(found) if t is not None and t.requires_grad else None for t in leaves)
@@ -166,6 +166,7 @@ BASELINE_KERNELS = composite_kernels(
 )
 
 
-def cast(b: Block, dtype: torch.dtype) -> Block:
+def cast(b: MLPOperands, dtype: torch.dtype) -> MLPOperands:
     """The block with its tensors in ``dtype``."""
-    return Block(*(None if t is None else t.to(dtype) for t in b.tensors), *b[7:])  # type: ignore[arg-type]
+    tensors = (None if t is None else t.to(dtype) for t in b.tensors)
+    return MLPOperands(*tensors, *b[7:])  # type: ignore[arg-type]

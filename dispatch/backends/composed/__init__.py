@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import torch
 
-from dispatch.backends.composed import fused_mlp
+from dispatch import ops
 from dispatch.contracts.activations import ACTIVATION_NAMES, GATED_NAMES
 from dispatch.contracts.backend import Backend
 
 BACKEND = Backend(
     name="composed",
-    kernels={"fused_mlp": fused_mlp.KERNELS},
+    kernels=ops.KernelFiles(__name__),
     devices=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
     activations=frozenset((*ACTIVATION_NAMES, *GATED_NAMES)),
     deterministic=False,
     summary="the package's ops chained (fused_linear, fused_bias_act_dropout), each dispatched by the table",
+    order=40,
 )

@@ -26,7 +26,7 @@ from dispatch.contracts.activations import GATES
 from dispatch.contracts.backend import Kernels
 from dispatch.ops import bias_act_dropout as bias_act_dropout_spec
 from dispatch.ops import fused_linear as linear_spec
-from dispatch.ops.fused_mlp_math import Block, gate_halves
+from dispatch.ops.fused_mlp_math import MLPOperands, gate_halves
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
@@ -40,7 +40,7 @@ def _dropout(t: Tensor, p: float, generator: Optional[torch.Generator]) -> Tenso
     return ops.dispatcher().run_by_table(bias_act_dropout_spec.SPEC, c)
 
 
-def _hidden(b: Block) -> Tensor:
+def _hidden(b: MLPOperands) -> Tensor:
     """act(x @ W_in^T + b_in), or act(gate) * up: (M, F)."""
     w, w_up, bias, bias_up = gate_halves(b)
     if w_up is None:
@@ -48,18 +48,18 @@ def _hidden(b: Block) -> Tensor:
     return _linear(b.x, w, bias, GATES[b.activation]) * _linear(b.x, w_up, bias_up, "identity")
 
 
-def forward(b: Block, rngs: tuple) -> tuple[Tensor, tuple]:
+def forward(b: MLPOperands, rngs: tuple) -> tuple[Tensor, tuple]:
     generator = rngs[0]  # masks "generator": (the caller's generator or None, None)
     a = _dropout(_hidden(b), b.p, generator)  # (M, F)
     y = _dropout(_linear(a, b.w_out, b.b_out, "identity"), b.p_out, generator)  # (M, H_out)
     return y, ()
 
 
-def inference(b: Block, rngs: tuple) -> Tensor:
+def inference(b: MLPOperands, rngs: tuple) -> Tensor:
     return forward(b, rngs)[0]
 
 
-def backward(grad_y: Tensor, b: Block, rngs: tuple, saved: tuple, needs: tuple) -> tuple:
+def backward(grad_y: Tensor, b: MLPOperands, rngs: tuple, saved: tuple, needs: tuple) -> tuple:
     raise RuntimeError("composed runs under torch's autograd through its sub-calls: it has no backward")
 
 

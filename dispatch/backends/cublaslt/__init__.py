@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from dispatch import ops
 from dispatch.contracts.backend import Backend, Call
 
 
@@ -38,7 +39,7 @@ def _declare() -> Backend:
     return (
         Backend(
             name="cublaslt",
-            kernels={"fused_linear": fused_linear.KERNELS},
+            kernels=ops.KernelFiles(__name__),
             devices=frozenset({"cuda"}),
             dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
             activations=frozenset(fused_linear.USE_GELU),
@@ -47,6 +48,7 @@ def _declare() -> Backend:
             unavailable=_unavailable,
             extra_reasons=_extra_reasons,
             label=lambda: "cuBLASLt epilogue",
+            order=20,
         )
     )
 

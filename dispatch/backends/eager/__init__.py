@@ -9,15 +9,11 @@ deterministic wherever the underlying torch ops are.
 from __future__ import annotations
 
 from dispatch import ops
-from dispatch.backends.eager import bias_act_dropout, fused_linear, fused_mlp
 
 BACKEND = ops.every_op_backend(
     name="eager",
-    kernels={
-        "bias_act_dropout": bias_act_dropout.KERNELS,
-        "fused_linear": fused_linear.KERNELS,
-        "fused_mlp": fused_mlp.KERNELS,
-    },
+    kernels=ops.KernelFiles(__name__),
     summary="the spec's reference on PyTorch ops",
     generic=ops.reference_kernels,
+    order=10,
 )

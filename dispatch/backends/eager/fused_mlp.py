@@ -25,7 +25,7 @@ from dispatch.contracts import rng as dropout_rng
 from dispatch.contracts.activations import ACTIVATIONS, GATES, composed_backward
 from dispatch.contracts.backend import Kernels
 from dispatch.contracts.op import compute_dtype
-from dispatch.ops.fused_mlp_math import Block, activate, drop, project_in
+from dispatch.ops.fused_mlp_math import MLPOperands, activate, drop, project_in
 
 
 def _keep(rng: Any, p: float, rows: int, cols: int, device: torch.device) -> Optional[Tensor]:
@@ -33,12 +33,12 @@ def _keep(rng: Any, p: float, rows: int, cols: int, device: torch.device) -> Opt
     return None if rng is None or p == 0.0 else dropout_rng.keep_mask(rng, rows, cols, p, device)
 
 
-def _hidden(pre: Tensor, b: Block, keep: Optional[Tensor]) -> Tensor:
+def _hidden(pre: Tensor, b: MLPOperands, keep: Optional[Tensor]) -> Tensor:
     """drop_p(act(pre)) in x's dtype, the math in float32 for half inputs."""
     return drop(activate(pre.to(compute_dtype(pre.dtype)), b.activation), b.p, None, keep).to(pre.dtype)
 
 
-def forward(b: Block, rngs: tuple) -> tuple[Tensor, tuple[Tensor, ...]]:
+def forward(b: MLPOperands, rngs: tuple) -> tuple[Tensor, tuple[Tensor, ...]]:
     pre = project_in(b.x, b)  # (M, F) or (M, 2F)
     m, f = pre.shape[0], b.w_out.shape[1]
     y = F.linear(_hidden(pre, b, _keep(rngs[0], b.p, m, f, pre.device)), b.w_out, b.b_out)  # (M, H_out)
@@ -47,7 +47,7 @@ def forward(b: Block, rngs: tuple) -> tuple[Tensor, tuple[Tensor, ...]]:
     return y, (pre,)
 
 
-def inference(b: Block, rngs: tuple) -> Tensor:
+def inference(b: MLPOperands, rngs: tuple) -> Tensor:
     return forward(b, rngs)[0]
 
 
@@ -65,7 +65,7 @@ def _through(act: Any, grad: Tensor, z: Tensor) -> Tensor:
 
 
 def backward(
-    grad_y: Tensor, b: Block, rngs: tuple, saved: tuple, needs: tuple
+    grad_y: Tensor, b: MLPOperands, rngs: tuple, saved: tuple, needs: tuple
 ) -> tuple[Optional[Tensor], ...]:
     (pre,) = saved
     need_x, need_w_in, need_w_up, need_b_in, need_b_up, need_w_out, need_b_out = needs

@@ -13,7 +13,7 @@ configuration, hence the summation order, can differ between processes.
 
 from __future__ import annotations
 
-from dispatch.backends.inductor import bias_act_dropout, fused_linear, fused_mlp
+from dispatch import ops
 from dispatch.contracts import compiled
 from dispatch.contracts.activations import ACTIVATION_NAMES, GATED_NAMES
 from dispatch.contracts.backend import Call
@@ -34,15 +34,12 @@ def _label() -> str:
 
 BACKEND = compiled.backend(
     name="inductor",
-    kernels={
-        "bias_act_dropout": bias_act_dropout.KERNELS,
-        "fused_linear": fused_linear.KERNELS,
-        "fused_mlp": fused_mlp.KERNELS,
-    },
+    kernels=ops.KernelFiles(__name__),
     activations=frozenset((*ACTIVATION_NAMES, *GATED_NAMES)),
     deterministic=False,
     summary="torch.compile (inductor) of the eager functions, dynamic in the token dimension",
     min_capability=(7, 0),
     extra_reasons=_extra_reasons,
     label=_label,
+    order=50,
 )

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from dispatch.backends.nvfuser import bias_act_dropout, fused_linear
+from dispatch import ops
 from dispatch.contracts import compiled
 
 
@@ -43,9 +43,10 @@ def _label() -> str:
 
 BACKEND = compiled.backend(
     name="nvfuser",
-    kernels={"bias_act_dropout": bias_act_dropout.KERNELS, "fused_linear": fused_linear.KERNELS},
+    kernels=ops.KernelFiles(__name__),
     deterministic=True,
     summary="functorch memory_efficient_fusion compiled by TorchScript (NNC fuser on CUDA)",
     unavailable=_unavailable,
     label=_label,
+    order=60,
 )

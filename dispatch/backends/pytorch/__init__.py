@@ -17,4 +17,5 @@ BACKEND = ops.every_op_backend(
     summary="the plain PyTorch composite a user writes (torch's dropout RNG)",
     generic=ops.baseline_kernels,
     torch_masks=True,
+    order=0,
 )

@@ -10,7 +10,7 @@ Files, by role: ``bias_act_dropout.py`` (kernels, launch settings, launchers), `
 (training on cuBLAS products, relu in cuBLASLt's epilogue, and bias_act_dropout's passes, inference
 on the matmul of ``matmul.py``: its kernels, tile configs and ``launch``; a column-sum pass for
 identity's grad_b) and ``fused_mlp.py`` (cuBLAS products around the hidden layer's passes of
-``gate.py`` and bias_act_dropout's, or in its "epilogues" variant the products that carry that work
+``mlp_hidden.py`` and bias_act_dropout's, or in its "epilogues" variant the products that carry that work
 on ``mlp_gemm.py``'s persistent GEMMs) serve one op each; ``activations.py`` (the activation table) and
 ``philox.py`` (the dropout RNG spec) are the jitted helpers the kernels share; ``launch.py`` caches
 compiled kernels for cheap launches.
@@ -23,8 +23,9 @@ from typing import Optional
 
 import torch
 
+from dispatch import ops
 from dispatch.contracts.activations import ACTIVATION_NAMES, GATED_NAMES
-from dispatch.contracts.backend import Backend, Call, Kernels
+from dispatch.contracts.backend import Backend, Call
 
 try:
     import triton  # noqa: F401
@@ -56,19 +57,10 @@ def _extra_reasons(call: Call, explicit: bool) -> list[str]:
 
 
 def _declare() -> Backend:
-    kernels: dict[str, Kernels] = {}
-    if triton is not None:
-        from dispatch.backends.triton import bias_act_dropout, fused_linear, fused_mlp
-
-        kernels = {
-            "bias_act_dropout": bias_act_dropout.KERNELS,
-            "fused_linear": fused_linear.KERNELS,
-            "fused_mlp": fused_mlp.KERNELS,
-        }
     return (
         Backend(
             name="triton",
-            kernels=kernels,
+            kernels=ops.KernelFiles(__name__) if triton is not None else {},
             devices=frozenset({"cuda", "cpu"}),
             dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
             activations=frozenset((*ACTIVATION_NAMES, *GATED_NAMES)),
@@ -77,6 +69,7 @@ def _declare() -> Backend:
             min_capability=(8, 0),
             unavailable=_unavailable,
             extra_reasons=_extra_reasons,
+            order=30,
         )
     )
 

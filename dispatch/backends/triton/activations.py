@@ -44,8 +44,8 @@ Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7 = (tl.constexpr(c) for c in PHI_Q)
 def _recip_ge1(d):
     """1 / d for float32 d >= 1 (inf included): rsqrt(d * d), two instructions (FMUL, MUFU.RSQ; relative
     error ~2**-23) where ``/`` is IEEE division, div.rn.f32, ~10 with a slow-path branch. The
-    epilogues of the matmul are issue-bound on this: gelu_tanh's ran at 0.85x torch.mm at llama-2-7b.up,
-    M = 8192, against relu's 0.97x (H200, benchmarks/PERF.md). d * d overflows to inf past ~1.8e19,
+    epilogues of the matmul are issue-bound on this (gelu_tanh's at 0.85x torch.mm, relu's 0.97x).
+    d * d overflows to inf past ~1.8e19,
     whose reciprocal 0 is then within 6e-20 of the true one; d = inf gives 0 = 1 / inf, NaN gives NaN."""
     return tl.math.rsqrt(d * d)
 

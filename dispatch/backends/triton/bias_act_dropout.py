@@ -11,11 +11,9 @@ Bytes per element (dtype size s): forward reads x and writes y (2s); backward re
 writes grad_x (3s), plus float32 partial bias sums, 4 B per (row-program, column): 1/16 B an element
 with 64-row programs, written once and read once by ``_bias_grad_kernel`` (2% of bf16 backward bytes).
 
-Issue budget: the H200 copies at 4.14 TB/s; 132 SMs x 4 schedulers x 32 lanes x 1.98 GHz retire
-3.3e13 lane-instructions/s, so a bf16 forward at copy speed affords ~32 instructions an element, a bf16
-backward ~48. sm_90 SASS of these kernels (triton 3.6 and 3.9, bf16, forward 4 x 1024 tiles / backward
-loop at 2 x 1024): forward gelu 21 (30 with dropout), relu 8 (17); backward gelu 28 (38), relu 11 (20).
-Dropout costs ~9 an element (``philox.py``).
+Issue budget: at copy speed a bf16 forward affords ~32 sm_90 instructions an element, a backward ~48
+(4.14 TB/s against 3.3e13 lane-instructions/s); these kernels take forward gelu 21 (30 with dropout),
+backward gelu 28 (38): dropout costs ~9 an element (``philox.py``).
 
 Launch settings come from a rule, not an autotuner, so a new token count never triggers tuning:
 BLOCK_N a power of two <= 1024 that wastes at most 1/16 of a row on padding, BLOCK_M the rest of a
@@ -229,8 +227,7 @@ def _forward_rows_kernel(
     """The 16-bit forward with dropout, one row per loop step: x and the bias are read as 32-bit
     words (two elements each: the even one widens with one shift, the odd one with one AND), the
     bias is widened once per program, and the row, its first counter and the no-carry test are
-    scalars. 27.6 sm_90 instructions an element against the tiled kernel's 29.4 (triton 3.9 ptxas),
-    1.12x a copy's time against 1.31x (H200, 65536 x 4096 bf16 gelu p = 0.1); y is bit-identical."""
+    scalars: 1.12x a copy's time against the tiled kernel's 1.31x; y is bit-identical."""
     g0 = tl.program_id(1) * (BLOCK_N // 8)
     groups = g0 + tl.arange(0, BLOCK_N // 8)  # (BN8,)
     words = groups[:, None] * 4 + tl.arange(0, 4)[None, :]  # (BN8, 4) word columns
@@ -276,8 +273,7 @@ def _forward_flat_kernel(
     B,  # bias, (N,); unused without HAS_BIAS
     Y,  # output, (M, N) contiguous
     # M * N < 2**31 - BLOCK: int32 offsets. Specialized (% 16 == 0, as N is): the mask is then uniform
-    # over 8-element vectors; unspecialized, the loads went scalar, 3.5x slower (828 vs 238 us at
-    # 12288 x 20480 relu, H200)
+    # over 8-element vectors; unspecialized, the loads went scalar, 3.5x slower
     numel,
     N,  # columns, a multiple of 16
     ACTIVATION: tl.constexpr,
@@ -296,39 +292,31 @@ def _forward_flat_kernel(
 
 # ----------------------------------------------------------------------------- launch settings
 
-# Forward: 4 x 1024 bf16 tiles (32 elements a thread, 4 warps) ran bias+gelu at 1.03x a copy's time on
-# H200. float32 takes 16 a thread, the same 64 bytes: at 32 the dropout
-# kernel needed 120-136 registers (sm_90 SASS, triton 3.6 / 3.9) against 48. Backward keeps 8 a
-# thread: with the bias-gradient accumulator and the bias in registers, 32 needed 96-223 registers.
+# Forward: 64 bytes a thread, 4 warps (bf16 bias+gelu at 1.03x a copy's time); float32 at 32 elements
+# a thread needed 120-136 registers against 48. Backward keeps 8 a thread: with the bias-gradient
+# accumulator and the bias in registers, 32 needed 96-223 registers.
 FORWARD_BYTES_PER_THREAD, FORWARD_WARPS = 64, 4
 BACKWARD_PER_THREAD, BACKWARD_WARPS = 8, 8
 MAX_BLOCK_N = 1024
-# 16-bit dtypes, from a sweep of 18 forward and 15 backward settings (H200, 2026-11-30, bf16 gelu,
-# 65536 x 4096 and 16384 x 14336, time / one copy; benchmarks/PERF.md): forward with dropout 64 B a
-# thread, 4 warps and rows up to 2048 wide: 1.31x (1.38x at 1024 wide); without dropout 32 B a thread:
-# 1.04-1.06x (1.17x); backward without dropout 16 elements a thread, 4 warps: 1.70-1.77x (1.78-1.82x).
-# (bytes or elements a thread, warps, widest BLOCK_N) by (backward, dropout):
+# 16-bit dtypes, the fastest of a sweep (time / one copy; benchmarks/PERF.md): forward with dropout
+# 1.31x a copy at rows up to 2048 wide (1.38x at 1024). (bytes or elements a thread, warps, widest
+# BLOCK_N) by (backward, dropout):
 HALF_SETTINGS = {
     (False, True): (64, 4, 2048),
     (False, False): (32, 4, 2048),
     (True, True): (8, 8, MAX_BLOCK_N),
     (True, False): (16, 4, MAX_BLOCK_N),
 }
-# bf16 forward with dropout, rows kernel (H200 2026-11-30, benchmarks/PERF.md): 16 elements a thread,
-# rows up to 2048 wide, 8 rows a program: 1.12-1.14x a copy vs the tile's 1.31-1.33x
+# 16-bit forward with dropout, rows kernel: 16 elements a thread, rows up to 2048 wide, 8 rows a
+# program: 1.12-1.14x a copy vs the tile's 1.31-1.33x
 ROWS_KERNEL_ROWS, ROWS_KERNEL_MAX_N, ROWS_KERNEL_PER_THREAD = 8, 2048, 16
-# float16 takes it too (each half widens with a conversion instead of a bit move): with gelu and p =
-# 0.1, 1.147x / 1.172x a copy at 65536x4096 / 16384x14336 against the tile kernel's 1.264x / 1.287x,
-# y bit for bit the tile's (H200, benchmarks/PERF.md)
+# float16 too (each half widens with a conversion instead of a bit move): 1.15x a copy against the
+# tile's 1.26x, y bit for bit the tile's
 ROWS_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 DECODE_ROWS = 64  # M up to this: one tile holds every row (one launch forward, one backward)
-# 16-bit forward without dropout, contiguous x past decode sizes: the flat kernel, 2048 elements and 4
-# warps a program. Time / a copy's (H200 2026-12-03, bf16, benchmarks/PERF.md), flat vs tile: relu
-# 1.007 vs 1.064 at 12288 x 20480, 1.001 vs 1.055 at 16384 x 14336, 254.6 vs 263.0 us at 65536 x 4096;
-# gelu 1.044 vs 1.063, 1.026 vs 1.035 at 8192 x 3072, 261.7 vs 261.4 us at 65536 x 4096. 1024-element
-# programs ran relu 1% faster and gelu 7-15% slower. Up to 2**24 elements the tile kernel is as fast or
-# faster (gelu 9.7 vs 10.8 us at 2048 x 5120, 18.0 vs 18.3 at 4096 x 4096, 6.8 vs 7.6 at 512 x 14336;
-# relu equal); past it the flat one wins (12288 x 1536 gelu: 20.6 vs 21.2).
+# 16-bit forward without dropout, contiguous x past 2**24 elements: the flat kernel, 2048 elements and
+# 4 warps a program (relu 1.007x a copy's time against the tile's 1.064x); up to 2**24 elements the
+# tile kernel is as fast or faster.
 FLAT_BLOCK, FLAT_WARPS = 2048, 4
 FLAT_MIN_ELEMENTS = 2**24  # M * N above this
 FLAT_DTYPES = (torch.bfloat16, torch.float16)
@@ -621,5 +609,5 @@ def sum_partials(partials: Tensor, out: Tensor) -> None:
 
 
 # The dispatcher's kernels skip this module's own argument checks: the spec validated the call, and
-# the checks cost ~1.2-1.7 us of host time a call hot, over twice that right after other torch work.
+# the checks cost ~1.2-1.7 us of host time a call.
 KERNELS = Kernels(forward=_forward, backward=backward_pass, inference=_forward)

@@ -4,28 +4,25 @@ Without autograd (``infer``): one Triton matmul (``matmul.py``) whose epilogue a
 applies the activation: the product is written once, as y.
 
 With autograd the products run on cuBLAS (``torch.addmm``, the bias in its epilogue, and ``torch.mm``)
-and the activation and its gradient on bias_act_dropout's kernels (``bias_act_dropout.py``, p = 0), because on the H200 cuBLAS is the faster GEMM and the rest
-is memory-bound (bf16, GPT-2 c_fc 8192 x 3072 x 768, GPU time, benchmarks/PERF.md): the Triton matmul
-with the pre-activation kept took 102 us against torch.mm's 65 us plus a 30 us activation pass;
-grad_W and grad_x on Triton 80 and 66 us against cuBLAS's 62 and 61.
+and the activation and its gradient on bias_act_dropout's kernels (``bias_act_dropout.py``, p = 0),
+because cuBLAS is the faster GEMM and the rest is memory-bound: the Triton matmul keeping the
+pre-activation took 102 us against torch.mm's 65 plus a 30 us pass (GPT-2 c_fc, bf16).
     forward   pre = x @ W^T + b                               cuBLAS, 2MNK
               y = act(pre), pre kept for backward             one pass: read pre, write y
     backward  grad_pre = grad_y * act'(pre),                  one pass: read grad_y and pre, write
               grad_b = its column sums                          grad_pre, float32 per-block partials
               grad_x = grad_pre @ W, grad_W = grad_pre^T @ x  cuBLAS, 2MNK each
 PyTorch's act(F.linear(x, W, b)) makes the same products and two more passes: a separate reduction
-over M x N for grad_b (26 us at that shape) and gelu_backward (41 us) where our pass forms both
-(~41 us); the saved tensors are the same (x, W and one M x N pre-activation).
+over M x N for grad_b and gelu_backward, where our pass forms both in gelu_backward's time; the saved
+tensors are the same (x, W and one M x N pre-activation).
 relu: y = cuBLASLt's addmm with relu in its epilogue (``torch._addmm_activation``), and y is what
 backward reads (y <= 0 exactly where pre <= 0): no forward pass, no pre-activation kept. As with
 torch.relu, y modified in place before backward is then refused by autograd.
 Identity: y = addmm(b, x, W^T); grad_pre is grad_y itself and a column-sum pass gives grad_b.
 
-Tried and measured (H200, bf16, GPU time, benchmarks/PERF.md): grad_pre formed inside the dgrad
-product's operand loads (a Triton kernel that also wrote grad_pre and grad_b's partials) ran 1.6x
-(relu) and 3.7x (gelu_tanh) slower than torch.mm plus the separate pass in its best tile config;
-cuBLASLt's GELU_AUX_BIAS forward (nvmath-python) took 4.6 us off a 264 us gpt2 up training call, and
-one forward cost 174 us of host time at M = 2048 against _addmm_activation's 22.
+Tried and dropped (benchmarks/PERF.md): grad_pre formed inside the dgrad product's operand loads
+(1.6-3.7x slower than torch.mm plus the pass); cuBLASLt's GELU_AUX_BIAS forward (174 us of host time
+a call against _addmm_activation's 22).
 """
 
 from __future__ import annotations
@@ -122,13 +119,11 @@ def forward(
 ) -> tuple[Tensor, Optional[Tensor]]:
     """(y, saved) for a call with autograd: y = act(x @ W^T + b), saved = the pre-activation x @ W^T + b
     rounded to x's dtype as PyTorch's addmm rounds it (None for identity). Rounded before the bias was
-    added, relu-like masks flipped wherever |x @ W^T| >> |x @ W^T + b|: bf16 grad_x 4x eager's error
-    (2048 x 4096 x 1024 relu, H200)."""
+    added, relu-like masks flipped wherever |x @ W^T| >> |x @ W^T + b|: bf16 grad_x 4x eager's error."""
     if activation == "relu":
         # relu's backward needs only where y > 0: y is kept (as torch.relu keeps its result), and the
-        # activation runs in cuBLASLt's epilogue. gpt2 up 8192 x 3072 x 768 bf16 training on the H200,
-        # GPU time: 234 us against 256 with the pre-activation kept and a separate relu pass (PyTorch
-        # 268); and no M x N tensor is kept beyond what the next layer keeps anyway (its input y).
+        # activation runs in cuBLASLt's epilogue (234 us against 256 keeping the pre-activation); no
+        # M x N tensor is kept beyond what the next layer keeps anyway (its input y).
         if bias is None:
             y = torch.mm(x, weight.t()).relu_()
         else:

@@ -5,18 +5,17 @@ activation from pre: a forward keeps only pre, (M, F), or (M, 2F) [gate | up] fo
 
     forward   pre = x @ W_in^T + b_in                         cuBLAS, bias in the product (a pair: two
                                                                 products into pre's halves)
-              a = drop_p(act(pre))                            one pass (gate.py): read pre, write a
+              a = drop_p(act(pre))                            one pass (mlp_hidden.py): read pre, write a
               y = a @ W_out^T + b_out                         cuBLAS
               y = drop_out(y)                                 one pass (bias_act_dropout's, identity)
     backward  g = drop_out'(grad_y), grad_b_out = sums(g)     one pass (bias_act_dropout's, identity)
               grad_a = g @ W_out                              cuBLAS
-              grad_pre = drop_p'(grad_a) * act'(pre), a,      one pass (gate.py): the hidden mask drawn
+              grad_pre = drop_p'(grad_a) * act'(pre), a,      one pass (mlp_hidden.py): the hidden mask drawn
                 grad_b_in = sums(grad_pre)                      once, float32 partial sums
               grad_W_out = g^T a                              cuBLAS
               grad_W_in = grad_pre^T x, grad_x = grad_pre W_in  cuBLAS (a pair: each half)
-A bf16 training step without dropout (H200, GPU time, bench_mlp --quick) took 0.440 ms against the
-PyTorch module's 0.470 at GPT-2's 8192 x 768 x 3072 and 10.0 against 10.3 ms at LLaMA-2-7B's 8192 x
-4096 x 11008 swiglu, keeping half its bytes for backward (48 vs 96 MiB, 344 vs 688 MiB).
+A forward keeps half the bytes the PyTorch module keeps for backward (48 vs 96 MiB at GPT-2's block,
+8192 tokens, bf16).
 The bias stays inside the first product, rounded with it once: a bias added after rounding x @ W^T
 flips relu-like masks where |x @ W^T| >> |x @ W^T + b| (fused_linear.py's forward).
 
@@ -35,10 +34,10 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from dispatch.backends.triton import bias_act_dropout, gate, mlp_gemm
+from dispatch.backends.triton import bias_act_dropout, mlp_gemm, mlp_hidden
 from dispatch.contracts.activations import GATES
 from dispatch.contracts.backend import Kernels
-from dispatch.ops.fused_mlp_math import Block, gate_halves
+from dispatch.ops.fused_mlp_math import MLPOperands, gate_halves
 
 VARIANTS = ("passes", "epilogues")
 DEFAULT_VARIANT = "passes"  # until bench_mlp's mlp/triton+epilogues column is timed on the GPU
@@ -57,7 +56,7 @@ def options(variant: Optional[str] = None) -> Iterator[None]:
         _chosen[0] = saved
 
 
-def _variant(b: Block) -> bool:
+def _variant(b: MLPOperands) -> bool:
     """Whether this call's products run with the epilogues: asked for, and operands they serve (no
     empty dims, a pair's weights of one layout; the spec's biases are contiguous); "passes" otherwise.
     ``options`` is process-wide (benchmarks, tests): a forward and its backward may run different
@@ -74,7 +73,7 @@ def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], out: Optional[Ten
     return torch.addmm(bias, x, weight.t(), out=out)
 
 
-def _project_in(b: Block) -> Tensor:
+def _project_in(b: MLPOperands) -> Tensor:
     """pre = x @ W_in^T + b_in: (M, F), or (M, 2F) [gate | up] for a gate. A (gate, up) pair takes two
     products written into pre's halves, so the weights are never concatenated (copied) per call."""
     if b.w_up is None:
@@ -86,18 +85,18 @@ def _project_in(b: Block) -> Tensor:
     return pre
 
 
-def forward(b: Block, rngs: tuple) -> tuple[Tensor, tuple[Tensor]]:
+def forward(b: MLPOperands, rngs: tuple) -> tuple[Tensor, tuple[Tensor]]:
     if _variant(b):
         return _forward_epilogues(b, rngs, keep_pre=True)
     pre = _project_in(b)  # (M, F) or (M, 2F)
-    a = gate.forward(pre, b.activation, b.p, rngs[0] if b.p > 0 else None)  # (M, F)
+    a = mlp_hidden.forward(pre, b.activation, b.p, rngs[0] if b.p > 0 else None)  # (M, F)
     y = _linear(a, b.w_out, b.b_out)  # (M, H_out)
     if b.p_out > 0:
         y = bias_act_dropout.KERNELS.forward(y, None, "identity", b.p_out, rngs[1])
     return y, (pre,)
 
 
-def _forward_epilogues(b: Block, rngs: tuple, keep_pre: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
+def _forward_epilogues(b: MLPOperands, rngs: tuple, keep_pre: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
     """The products on Triton with the hidden layer's work (and the output dropout) in their epilogues."""
     w, w_up, bias, bias_up = gate_halves(b)
     m, f = b.x.shape[0], w.shape[0]
@@ -113,14 +112,14 @@ def _forward_epilogues(b: Block, rngs: tuple, keep_pre: bool) -> tuple[Tensor, t
     return y, (() if pre is None else (pre,))
 
 
-def inference(b: Block, rngs: tuple) -> Tensor:
+def inference(b: MLPOperands, rngs: tuple) -> Tensor:
     if _variant(b):
         return _forward_epilogues(b, rngs, keep_pre=False)[0]
     return forward(b, rngs)[0]
 
 
 def backward(
-    grad_y: Tensor, b: Block, rngs: tuple, saved: tuple, needs: tuple
+    grad_y: Tensor, b: MLPOperands, rngs: tuple, saved: tuple, needs: tuple
 ) -> tuple[Optional[Tensor], ...]:
     (pre,) = saved
     need_x, need_w_in, need_w_up, need_b_in, need_b_up, need_w_out, need_b_out = needs
@@ -144,9 +143,11 @@ def backward(
         )
     elif need_pre or need_b:
         grad_a = torch.mm(g, b.w_out)  # (M, F)
-        grad_pre, a, grad_b = gate.backward(grad_a, pre, b.activation, b.p, rng, need_pre, need_w_out, need_b)
+        grad_pre, a, grad_b = mlp_hidden.backward(
+            grad_a, pre, b.activation, b.p, rng, need_pre, need_w_out, need_b
+        )
     elif need_w_out:
-        a = gate.forward(pre, b.activation, b.p, rng)
+        a = mlp_hidden.forward(pre, b.activation, b.p, rng)
     grad_w_out = torch.mm(g.t(), a) if need_w_out else None  # (H_out, F)
     if b.w_up is None:
         grad_x = torch.mm(grad_pre, b.w_in) if need_x else None  # (M, H)

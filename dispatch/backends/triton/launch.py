@@ -1,6 +1,6 @@
 """Low-overhead launches of ``@triton.jit`` kernels on CUDA.
 
-``kernel[grid](...)`` costs ~15-25 us of host time per call in triton 3.6 (H200 host): binding the
+``kernel[grid](...)`` costs ~15-25 us of host time per call in triton 3.6: binding the
 arguments, building the specialization key, reading knobs. Small (decode) shapes are bound by that,
 not by the GPU. ``Launcher`` keeps the ``CompiledKernel`` that the first ``kernel[grid](...)`` returns,
 under a key at least as fine as Triton's own specialization (each tensor's dtype and 16-byte

@@ -310,10 +310,7 @@ class Config:
 
 # 16-bit, sm_80/sm_90. Shared memory = stages * (BM + BN) * BK * 2 bytes: 144 KiB, 128 KiB, 96 KiB.
 # 128x256x64/8 warps/3 stages is the Triton tutorials' Hopper config (two warpgroups of 64x256 wgmma).
-# Compiled for sm_90 ahead of time (triton 3.9, 2026-11-30): every entry pipelines cp.async into async
-# wgmma (one group in flight), no spills in the main loop; 128x256's epilogue spilled 80 bytes (255
-# registers), its TMA twin 4 bytes, in the build whose epilogue could also store the pre-activation
-# (not re-measured since).
+# Every entry pipelines cp.async into async wgmma on sm_90, no spills in the main loop.
 CONFIGS_16 = (
     Config(128, 256, 64, num_warps=8, num_stages=3, efficiency=1.0),
     Config(128, 128, 64, num_warps=8, num_stages=4, efficiency=0.93),
@@ -379,9 +376,8 @@ def best_config(M: int, N: int, table: tuple[Config, ...], sms: int) -> Config:
 # ----------------------------------------------------------------------------- variants
 
 VARIANTS = ("pointer", "tma")
-# H200 2026-11-30 (bf16 gelu_tanh, M=8192, benchmarks/PERF.md): tma 1.09 ms vs pointer 1.57 (llama-2-7b
-# up, torch.mm 1.04); tma 1.39 vs 1.95 (mistral-7b down, mm 1.34). Flattening the tile and K loops
-# loses (1.14, 1.73); TMA stores in the epilogue are mixed (-13% to +6% by shape): neither is built.
+# tma: 1.09 ms against pointer's 1.57 and torch.mm's 1.04 (llama-2-7b up, bf16 gelu_tanh, M=8192).
+# Flattened tile and K loops and TMA stores in the epilogue lost or were mixed: neither is built.
 DEFAULT_VARIANT = "tma"
 
 
@@ -443,8 +439,7 @@ def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
 # ----------------------------------------------------------------------------- launchers
 
 # compiled kernels reused without kernel[grid]'s ~15-25 us (triton 3.6) of binding per call; a TMA
-# matmul paid that plus two descriptors' specialization: one launch 124.6 -> 47.3 us of host time at
-# 1 x 3072 x 768 (H200 host, benchmarks/PERF.md)
+# matmul paid that plus two descriptors' specialization: one launch 124.6 -> 47.3 us of host time
 _POINTER = Launcher(_matmul_kernel, tensors=4)
 _TMA = Launcher(_matmul_tma_kernel, tensors=2, descriptors=2)
 
@@ -457,7 +452,7 @@ def plan(a: Tensor, b: Tensor) -> tuple[Config, str, tuple[Optional[bool], Optio
     """(config, variant that will run, (A K-major?, B K-major?)) for C = a @ b: the chosen variant
     unless the operands rule TMA out (dtype, device, K == 0, no aligned unit stride). Cached by the
     operands' shapes, strides, dtype, device and 16-byte alignment (uncached 6-18 us of host time a
-    launch on the H200 host, benchmarks/PERF.md), unless ``options`` forces something."""
+    launch), unless ``options`` forces something."""
     if _override.variant is not None or _override.config is not None:
         return _plan(a, b)
     key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, a.data_ptr() % 16, b.data_ptr() % 16)

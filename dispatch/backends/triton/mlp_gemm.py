@@ -33,7 +33,7 @@ from torch import Tensor
 
 from dispatch.backends.triton import bias_act_dropout, matmul
 from dispatch.backends.triton.activations import apply
-from dispatch.backends.triton.gate import hidden_grads
+from dispatch.backends.triton.mlp_hidden import hidden_grads
 from dispatch.backends.triton.launch import Launcher
 from dispatch.backends.triton.matmul import _tile_coords, tile_product
 from dispatch.backends.triton.philox import keep_mask, seed_offset
@@ -476,7 +476,7 @@ def grad_hidden(
     need_bias: bool,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """(grad_pre, a, grad_bias) from one product g @ w_out (g (M, H_out), w_out (H_out, F)) and its
-    epilogue: gate.backward's three results (``activation`` the gate's with ``gated``), each only if
+    epilogue: mlp_hidden.backward's three results (``activation`` the gate's with ``gated``), each only if
     asked. pre (M, F) or (M, 2F) with unit column stride; M, F > 0."""
     (m, k), n = g.shape, w_out.shape[1]
     width = pre.shape[1]
