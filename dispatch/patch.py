@@ -235,8 +235,7 @@ def patch(
     matches the original's: compiled GPT-2 with its c_proj -> dropout run patched this way ran at 1.000x
     and 1.0035x the compiled original, at 0.991-0.993x in four runs with the bias moved into the
     dropout's pass (``bias_in_linear=False``, where inductor adds it in a kernel of its own); in eager
-    mode the two forms measured alike within the run-to-run spread (H200, 2026-11-30;
-    benchmarks/PERF.md).
+    mode the two forms measured alike within the run-to-run spread.
 
     ``linear_dropout=False`` leaves such runs (Linear -> Dropout, no activation) alone: their fusion
     saves one small elementwise pass on the GPU but adds host time (two op dispatches for one

@@ -9,9 +9,9 @@ timings, each checked on its own. The table is written atomically, also every 30
 A run over an existing table of this device keeps the entries it does not measure again; a file it
 could not extend (another device's table, another schema, not a table) is never overwritten.
 
-    python -m dispatch.calibrate --quick                      # H200 ~2 min, 2 CPU cores < 3 min
+    python -m dispatch.calibrate --quick                      # a GPU ~2 min, 2 CPU cores < 3 min
     python -m dispatch.calibrate --out benchmarks/results/calibrate_points-nvidia-h200.json \\
-        --slim-out dispatch/heuristics/tables/nvidia-h200.json          # full: 124 series in 501 s on an H200
+        --slim-out dispatch/heuristics/tables/nvidia-h200.json          # full: 124 series in ~500 s on a GPU
     python -m dispatch.calibrate --refit RAW [--agree OTHER]   # the current rule on measured points
 """
 

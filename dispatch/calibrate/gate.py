@@ -55,7 +55,7 @@ class Gates:
         compiled: bool,
     ) -> list[SegmentRecord]:  # fmt: skip
         """Segments whose every winner, by cost and by GPU time alone (the captured pick; unchecked, refit
-        dropped triton at 21 of 751 H200 points, up to 1.25x faster than eager), matched the reference at
+        dropped triton at 21 of 751 points, up to 1.25x faster than eager), matched the reference at
         its run's smallest M and its largest M within the check cap ``cap`` (a member too: Triton's
         bias_act_dropout runs another kernel, compiled per activation, up to 64 rows). ``case_at(m)``:
         the case checked at M = m. A failing winner leaves those points (plain PyTorch keeps its timings

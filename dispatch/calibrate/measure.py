@@ -5,7 +5,7 @@ interleaved rounds; ``point`` measures one point of a series.
 - ``gpu_us``: calls unrolled in a CUDA graph (``timing.gpu_ms``, do_bench_cudagraph): the kernels alone.
   A backend that cannot be captured falls back to do_bench and the point says so (``gpu_clock``). A call
   of SLOW_MS or more is read by events around back-to-back calls, afresh in every round (one reading
-  right after each first call put eager at 1.18-1.32x PyTorch's identical kernels, H200).
+  right after each first call put eager at 1.18-1.32x PyTorch's identical kernels).
 - ``host_us``: the host's cost of a call, back-to-back calls queued behind a ``torch.cuda._sleep`` kernel
   (``timing.host_ms``), so the host never waits on the GPU; ``drained`` if the sleep ran out anyway.
 On a CPU both are ``timing.cpu_ms``, the wall time.
@@ -31,19 +31,19 @@ SLOW_MS = timing.SLOW_MS  # 5 ms
 CPU_SLOW_MS = 50.0  # on a CPU such a call gets one round (fused_linear 64 x 3072 x 768 takes ~5 ms)
 # Points whose close contenders (within SLOW_CONTENDER of the cheapest) take SLOW_MS or more: SLOW_ROUNDS
 # rounds of ~SLOW_SAMPLE_MS samples. Eager against PyTorch's identical ops at 12288 x 20480 x 5120 (11 ms
-# a call, H200) read 1.066x over 3 rounds of 2 calls, 1.003x over 7: the GPU's clock moves with power
+# a call) read 1.066x over 3 rounds of 2 calls, 1.003x over 7: the GPU's clock moves with power
 # and temperature over a few hundred ms, and more rounds spread in time outvote it.
 SLOW_ROUNDS = 7
 SLOW_SAMPLE_MS = 40.0
 SLOW_CONTENDER = 1.25
 # ~0.5 ms of calls per graph, replayed 10 times: capture costs the host's time per call (100-300 us for a
-# training step on the H200 host), and the events around a replay stay under 1% of it.
+# training step on a slow host), and the events around a replay stay under 1% of it.
 GRAPH_REP_MS = 0.5
 HOST_WINDOW_MS = 1.0  # host clock: about this much host time of back-to-back calls per sample,
 HOST_RUNS = 20  # at most this many runs (20 chained training runs are ~500 launches behind the sleep),
 HOST_CAP_MS = 10.0  # sized by at most this per call (slower calls are GPU-bound by far)
 # Training: TRAIN_CHAIN forwards and one backward over their outputs, as a model steps: autograd's fixed
-# cost per backward() (~0.5 ms on the H200 host) belongs to no single op (timed one call per backward it
+# cost per backward() (~0.5 ms on a slow host) belongs to no single op (timed one call per backward it
 # sent GPT-2's c_fc to cublaslt, and patched GPT-2 trained at 0.86x eager). Only where that cost weighs:
 # a point whose cheapest entry is estimated at CHAIN_BELOW_MS or more runs one forward per backward.
 TRAIN_CHAIN = 4

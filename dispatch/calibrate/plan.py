@@ -27,7 +27,7 @@ from dispatch.heuristics.schema import EntryRecord, Point, SegmentRecord
 
 MODES = ("inference", "training")
 # float16 shares bfloat16's timings on a GPU (each cell checked in float16): the same kernels; the two
-# agreed in 1126 of 1134 cells of the 2026-11-30 H200 table.
+# agreed in 1126 of 1134 cells of a full table.
 SHARED_DTYPES = {torch.bfloat16: (torch.float16,)}
 # float32 on a GPU: the first three sizes of each op (GPT-2 and LLaMA-7B widths); models train and serve
 # in half precision there, and 70B-wide float32 GEMMs run at 1/8-1/15 of bf16's rate.
@@ -73,7 +73,7 @@ class Plan:
         gemm = ops.get(op).grid.gemm
         cap = self.max_macs if gemm else self.max_elements
         if gemm and dtype == torch.float32 and self.device.type == "cuda":
-            cap //= 8  # float32 GEMMs: 1/8-1/15 of bf16's rate on an H200
+            cap //= 8  # float32 GEMMs: 1/8-1/15 of bf16's rate on Hopper
         m = 2 ** max(0, math.floor(math.log2(max(cap // math.prod(features), 1))))
         return min(m, max(self.tokens))
 
@@ -92,7 +92,7 @@ def default_plan(
 ) -> Plan:
     """On a GPU a point holds at most 2**27 elements (~0.13 ms a pass in bf16) or 2**39 multiply-adds
     (~1 ms forward: 70B-wide layers reach M = 2048; beyond, the last segment continues). At 2**28 and
-    2**40 the largest points took 159 of a full run's 376 s of series (H200, 2026-12-04: 5-10 ms
+    2**40 the largest points took 159 of a full run's 376 s of series (5-10 ms
     training calls, read in SLOW_ROUNDS rounds), and the run measured 111 of 124 series in its budget.
     The grid has no M = 16 (M = 1 and 256 are both host-bound for nearly every call, and host costs
     are pooled per family), and bisection stops at neighbours 4x apart: crossovers to within 2x."""
@@ -203,7 +203,7 @@ def _host_samples(p: Point) -> dict[str, float]:
 
 def series_host(points: list[Point]) -> dict[str, float]:
     """Each entry's median host sample over ``points``: a call's host cost does not grow with M, and one
-    sample swung 0.7-2.4x between two runs at the same point (p10-p90, H200, 12-02) where GPU times
+    sample swung 0.7-2.4x between two runs at the same point (p10-p90) where GPU times
     agreed within 1%."""
     samples: dict[str, list[float]] = {}
     for p in points:
@@ -215,8 +215,8 @@ def series_host(points: list[Point]) -> dict[str, float]:
 def pool_host(entries: list[EntryRecord]) -> None:
     """Sets every point's host costs to its family's medians, in place (op, mode, dropout: any dtype,
     activation, size; only measured series' samples); what the clock read stays in ``host_us_measured``.
-    Series medians still moved 15% (median) to 1.8x (p90) between two full H200 runs and 9% of the cells
-    with them; family medians 3.9% (refit-2026-12-03.log). GPU clocks only: on a CPU both are wall time."""
+    Series medians still moved 15% (median) to 1.8x (p90) between two full runs and 9% of the cells
+    with them; family medians 3.9%. GPU clocks only: on a CPU both are wall time."""
     family = lambda e: (e["op"], e["mode"], e["dropout"])  # noqa: E731
     samples: dict[tuple, list[Point]] = {}
     for e in entries:
@@ -240,7 +240,7 @@ def compiling() -> frozenset[str]:
 
 def gpu_winner(point: Point, order: tuple[str, ...] = PREFERENCE) -> str:
     """The winner by GPU time among the backends a capture may run (over every backend it named inductor
-    at 28 of 751 H200 points, where ``select.capture_pick`` then fell back to the cost pick)."""
+    at 28 of 751 points, where ``select.capture_pick`` then fell back to the cost pick)."""
     c = costs(point)
     pool = [n for n in c if n not in compiling()] or list(c)
     return rank({n: point["gpu_us"][n] for n in pool}, order)[0]
@@ -379,7 +379,7 @@ def to_bisect(
     16: the kernels compiled ahead for the grid serve it). ``pooled`` (a GPU): winners by the series'
     median host costs, as the table decides by pooled ones; by each point's own, gpt2.up relu inference
     had cuBLASLt win at 4096 and 65536 and went unbisected, while pooled costs give eager 4096, and the
-    held-out 8192 read cuBLASLt 1.41x faster than the table's eager (H200, 2026-12-04)."""
+    held-out 8192 read cuBLASLt 1.41x faster than the table's eager."""
     ms = sorted(m for m, p in points.items() if costs(p))
     host = series_host(list(points.values())) if pooled else None
     pick = {m: rank(costs(points[m], host), order)[0] for m in ms}

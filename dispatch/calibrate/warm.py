@@ -3,7 +3,7 @@
 Inductor compiles a graph per op, direction, dtype, activation, feature size and token class (M = 1 or
 M >= 2), Triton a binary per kernel configuration and specialization; both cache on disk, so workers run
 each kind of call once and the measuring process loads what they compiled (inductor's compiles had been
-250 of a 290 s run on the H200 host). Triton is warmed for the members too: they are parity-checked with
+250 of a 290 s run). Triton is warmed for the members too: they are parity-checked with
 the winner's kernels. Calls of one kind stay in one worker; kinds are dealt in the run's priority order.
 """
 

@@ -103,8 +103,8 @@ class FusedLinear(nn.Module):
             x, weight, bias = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
         if self.transposed:
             # after the cast, which then writes the stored layout: inductor lays a cast of the transposed
-            # view out (out, in) and feeds the GEMM that copy, 48 extra transposing copy kernels a step
-            # in compiled patched GPT-2 (H200, 2026-11-30; benchmarks/PERF.md)
+            # view out (out, in) and feeds the GEMM that copy: 48 extra transposing copy kernels a step
+            # in compiled patched GPT-2
             weight = weight.t()
         if not self.training or self.dropout == 0.0:
             return fused_linear(x, weight, bias, self.activation)
