@@ -177,24 +177,13 @@ def measure_row(m: int, n: int, dt: str, kind: str, mode: str, args, device) -> 
     rep_ms = max(args.rep_ms, 8 * nbytes / COPY_BYTES_PER_MS) if device.type == "cuda" else args.rep_ms
     measured = timing.compare(runs, device, check=check, rounds=args.rounds, rep_ms=rep_ms)
     common.record(row, measured)
-    rates(row, nbytes, 2 * m * n * dtype.itemsize)
+    common.copy_rates(row, nbytes, 2 * m * n * dtype.itemsize)
     common.speedups(row)
     return row
 
 
 def _positional(fn: Step) -> Callable:
     return lambda *t: fn(*t)  # (x, r, w) or (x, r, w, b): common.timed passes the leaves positionally
-
-
-def rates(row: dict, nbytes: int, copy_bytes: int) -> None:
-    """GB/s by the minimum bytes and % of the copy's GB/s, on the GPU clock (wall on the CPU)."""
-    clock = "gpu_us:" if any(k.startswith("gpu_us:") for k in row) else "wall_us:"
-    copy_us = row.get(clock + "copy")
-    for key in [k for k in row if k.startswith(clock) and row[k]]:
-        name = key[len(clock) :]
-        row[f"gbs:{name}"] = nbytes / row[key] / 1e3
-        if copy_us and name != "copy":
-            row[f"pct_copy:{name}"] = 100 * row[f"gbs:{name}"] / (copy_bytes / copy_us / 1e3)
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -214,10 +203,9 @@ def plot(rows: list[dict], args) -> None:
         for mode in common.MODES:
             shown = [r for r in rows if r.get("kind") == kind and r.get("mode") == mode and "gbs:copy" in r]
             panels = [(f"N = {n}", [r for r in shown if r["N"] == n]) for n in NS]
-            if any(rs for _, rs in panels):
-                out = common.path(args, f"add_norm_{kind}_{mode.replace('+', '_')}", "png")
-                title = f"fused add + {kind} norm, {args.dtype}, {mode} (GPU time)"
-                report.plot_panels(panels, "gbs", "copy", "GB/s (minimum bytes)", title, out)
+            name, title = f"add_norm_{kind}_{mode.replace('+', '_')}", f"fused add + {kind} norm, {args.dtype}"
+            report.plot_rows(panels, common.path(args, name, "png"), "gbs", "copy", "GB/s (minimum bytes)",
+                             f"{title}, {mode} (GPU time)")  # fmt: skip
 
 
 def main() -> None:

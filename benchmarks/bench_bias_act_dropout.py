@@ -187,21 +187,9 @@ def measure_row(m, n, dt, act, p, mode, focus, args, names, device) -> dict:
     rep_ms = max(args.rep_ms, 8 * nbytes / COPY_BYTES_PER_MS)  # >= ~8 timed calls at copy speed
     measured = timing.compare(runs, device, check=check, rounds=args.rounds, rep_ms=rep_ms)
     common.record(row, measured)
-    rates(row, nbytes, 2 * m * n * dtype.itemsize)
+    common.copy_rates(row, nbytes, 2 * m * n * dtype.itemsize)
     common.speedups(row)
     return row
-
-
-def rates(row: dict, nbytes: int, copy_bytes: int) -> None:
-    """GB/s by the minimum bytes, % of the copy's GB/s, time / copy time: on the GPU clock (wall on CPU)."""
-    clock = "gpu_us:" if any(k.startswith("gpu_us:") for k in row) else "wall_us:"
-    copy_us = row.get(clock + "copy")
-    for key in [k for k in row if k.startswith(clock) and row[k]]:
-        name = key[len(clock) :]
-        row[f"gbs:{name}"] = nbytes / row[key] / 1e3
-        if copy_us and name != "copy":
-            row[f"pct_copy:{name}"] = 100 * row[f"gbs:{name}"] / (copy_bytes / copy_us / 1e3)
-            row[f"x_copy:{name}"] = row[key] / copy_us
 
 
 # ----------------------------------------------------------------------------- report
@@ -212,10 +200,9 @@ def plot(rows: list[dict], args) -> None:
     for mode in MODES:
         shown = [r for r in rows if (r["mode"], r["dtype"], r["act"], r["p"]) == (mode, "bf16", "gelu", 0.1)]
         panels = [(f"N = {n}", [r for r in shown if r["N"] == n and "gbs:copy" in r]) for n in NS]
-        if any(rs for _, rs in panels):
-            title = f"fused_bias_act_dropout bf16 gelu p=0.1, {mode} (GPU time)"
-            out = common.path(args, f"bias_act_dropout_{mode.replace('+', '_')}", "png")
-            report.plot_panels(panels, "gbs", "copy", "GB/s (minimum bytes)", title, out)
+        title = f"fused_bias_act_dropout bf16 gelu p=0.1, {mode} (GPU time)"
+        out = common.path(args, f"bias_act_dropout_{mode.replace('+', '_')}", "png")
+        report.plot_rows(panels, out, "gbs", "copy", "GB/s (minimum bytes)", title)
 
 
 def main() -> None:

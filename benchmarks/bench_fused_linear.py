@@ -294,10 +294,9 @@ def plot(rows: list[dict], args) -> None:
             (f"{pair} (K={k}, N={n})", [r for r in shown if r["pair"] == pair and "tflops:torch.mm" in r])
             for pair, (k, n) in PAIRS.items()
         ]
-        if any(rs for _, rs in panels):
-            out = common.path(args, f"fused_linear_{mode.replace('+', '_')}", "png")
-            title = f"fused_linear bf16 gelu_tanh, {mode} (GPU time)"
-            report.plot_panels(panels, "tflops", "torch.mm", "TFLOP/s", title, out)
+        out = common.path(args, f"fused_linear_{mode.replace('+', '_')}", "png")
+        title = f"fused_linear bf16 gelu_tanh, {mode} (GPU time)"
+        report.plot_rows(panels, out, "tflops", "torch.mm", "TFLOP/s", title)
 
 
 def main() -> None:

@@ -31,8 +31,9 @@ import common
 import torch
 from torch import nn
 
-from dispatch import patch, timing, use_backend
+from dispatch import timing, use_backend
 from dispatch.nn import FusedMLP
+from dispatch.patch_mlp import fuse
 
 # model -> (Hugging Face class, modeling folder, config class, config, dropout attribute or None); hidden
 # and intermediate sizes are the real models'; none is a size the calibration measures
@@ -78,21 +79,9 @@ def build(name: str, device: torch.device, dtype: torch.dtype, smoke: bool) -> n
     return block.to(device, dtype)
 
 
-class Holder(nn.Module):
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.mlp = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(x)
-
-
-def patched(block: nn.Module) -> nn.Module:
-    holder = Holder(copy.deepcopy(block))
-    report = patch(holder)
-    if not isinstance(holder.mlp, FusedMLP):
-        raise RuntimeError(f"patch left the block alone: {report}")
-    return holder.mlp
+def patched(block: nn.Module) -> FusedMLP:
+    """What ``dispatch.patch`` makes of the block (its parent's child) over a copy of its layers."""
+    return fuse(copy.deepcopy(block))
 
 
 def step(module: nn.Module, x: torch.Tensor, gy: torch.Tensor, mode: str, context=None) -> timing.Fn:

@@ -263,3 +263,16 @@ def fastest(row: dict, names: Sequence[str], clock: str, unit: str = "us") -> Op
     times = {n: row.get(f"{clock}_{unit}:{n}") for n in names}
     times = {n: t for n, t in times.items() if t}
     return min(times, key=times.get) if times else None
+
+
+def copy_rates(row: dict, nbytes: int, copy_bytes: int) -> None:
+    """GB/s by the minimum bytes ``nbytes``, % of the copy's GB/s and time / copy time, on the GPU clock
+    (wall on the CPU), for every entry of a memory-bound row with a ``copy`` entry of ``copy_bytes``."""
+    clock = "gpu_us:" if any(k.startswith("gpu_us:") for k in row) else "wall_us:"
+    copy_us = row.get(clock + "copy")
+    for key in [k for k in row if k.startswith(clock) and row[k]]:
+        name = key[len(clock) :]
+        row[f"gbs:{name}"] = nbytes / row[key] / 1e3
+        if copy_us and name != "copy":
+            row[f"pct_copy:{name}"] = 100 * row[f"gbs:{name}"] / (copy_bytes / copy_us / 1e3)
+            row[f"x_copy:{name}"] = row[key] / copy_us

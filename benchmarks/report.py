@@ -148,6 +148,13 @@ def plot_panels(
     print(f"wrote {out}")
 
 
+def plot_rows(panels: Sequence[tuple[str, list]], out: str, metric: str, ceiling: str, ylabel: str,
+              title: str) -> None:  # fmt: skip
+    """``plot_panels`` where any panel has rows (a figure of empty panels is not drawn)."""
+    if any(rows for _, rows in panels):
+        plot_panels(panels, metric, ceiling, ylabel, title, out)
+
+
 def plot_or_say(draw, *args) -> None:
     """Draws when matplotlib is present; a failed plot never loses the results."""
     if not have_matplotlib():

@@ -206,3 +206,17 @@ def describe(block: nn.Module, spec: Block, fused: FusedMLP) -> tuple[str, str]:
             before.append(f"{name}={type(child).__name__}")
     settings = [fused.activation] + [f"{k}={v}" for k, v in (("p", fused.p), ("p_out", fused.p_out)) if v]
     return " + ".join(before), f"FusedMLP({', '.join(settings)})"
+
+
+def fuse(block: nn.Module) -> FusedMLP:
+    """One ``FusedMLP`` over ``block``'s own layers, for a block that is no model's child (``patch``
+    needs a parent to put it in): a Hugging Face MLP class ``patch`` knows, or a Sequential MLP. A
+    ValueError says why a block cannot be one."""
+    spec = hf_block(block) or (sequential_block(block) if isinstance(block, nn.Sequential) else None)
+    if spec is None:
+        raise ValueError(f"block must be a known MLP block ({', '.join(_HF_MLPS)} or a Sequential "
+                         f"Linear, activation, [Dropout], Linear, [Dropout]), got {type(block).__name__}")  # fmt: skip
+    fused = build(block, spec)
+    if isinstance(fused, str):
+        raise ValueError(f"{type(block).__name__} cannot be one FusedMLP: {fused}")
+    return fused
