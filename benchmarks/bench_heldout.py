@@ -34,6 +34,7 @@ from tabulate import tabulate
 from dispatch import heuristics, select, timing
 from dispatch.calibrate import measure, warm
 from dispatch.calibrate.plan import BASELINE, compiling
+from dispatch import cases as cases_of
 from dispatch.cases import Case, make_inputs
 from dispatch.contracts.activations import ACTIVATIONS
 from dispatch.registry import backends
@@ -66,7 +67,7 @@ def cases(
                     ("bias_act_dropout", act, (mlp,), training),
                     ("fused_linear", "identity", (hidden, mlp), False),
                 ):
-                    out.append((model, Case(op, dtype, a, training, drop, m, features, device)))
+                    out.append((model, cases_of.case(op, dtype, a, training, drop, m, features, device)))
     return out
 
 

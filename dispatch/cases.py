@@ -23,11 +23,20 @@ from dispatch.contracts import tolerances
 from dispatch.contracts.op import P_DROPOUT, Case, Inputs
 
 __all__ = [
-    "P_DROPOUT", "Case", "Inputs", "Check", "Gate", "make_inputs", "run_once", "reference", "check", "gate",
-    "inputs",
+    "P_DROPOUT", "Case", "Inputs", "Check", "Gate", "case", "make_inputs", "run_once", "reference", "check",
+    "gate", "inputs",
 ]  # fmt: skip
 
 DROP_RATE_SIGMAS = 6.0  # a torch-RNG mask's drop rate within this many binomial deviations of p
+
+
+def case(op: str, dtype: torch.dtype, variant: Optional[str], training: bool, dropout: bool, m: int,
+         features: tuple[int, ...], device: torch.device) -> Case:  # fmt: skip
+    """The case of op ``op`` at one shape, holding the traits the op declares: ``variant`` the value of its
+    variant trait (an activation; None for an op without one), ``dropout`` False for an op without it."""
+    spec = ops.get(op)
+    dropout = dropout and spec.dropout
+    return Case(op, dtype, variant, training, dropout, m, tuple(features), device, spec.traits)
 
 
 def make_inputs(case: Case, seed: int) -> Inputs:

@@ -45,13 +45,13 @@ def _device_line(device: torch.device) -> str:
 
 def _probe(backend: Backend, device: torch.device) -> list[str]:
     """Why the dispatcher would not pick ``backend`` on its own for a typical float32 gelu call (the op's
-    first activation where it has no gelu) of each op it implements on ``device`` ([] if it would)."""
+    first variant where it has no gelu) of each op it implements on ``device`` ([] if it would)."""
     reasons: list[str] = []
     for spec in ops.all_specs():
         if not backend.implements(spec.name):
             continue
-        activation = "gelu" if "gelu" in spec.activations else spec.activations[0]
-        typical = {"activation": activation, "dropout": False}
+        values = spec.variants()
+        typical = {spec.variant: "gelu" if "gelu" in values else values[0], "dropout": False}
         shape = (PROBE_SIZE,) * len(spec.dims)
         call = spec.call(device, torch.float32, shape, True, **{t: typical.get(t) for t in spec.traits})
         reasons += [r for r in backend.not_supported_reasons(call, explicit=False) if r not in reasons]

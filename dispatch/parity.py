@@ -1,14 +1,16 @@
 """python -m dispatch.parity: every available backend against the float64 reference.
 
-Both ops, every activation and dtype, forward and backward, dropout off (p = 0) and on (p > 0), on a
-grid of odd shapes; prints the max relative error (max|out - ref| / max|ref|) per backend, op and
-dtype with PASS/FAIL against ``dispatch.contracts.tolerances`` and exits 1 on any failure.
+Every op, each value of its variant trait (every activation) and dtype, forward and backward, dropout
+off (p = 0) and on (p > 0), on a grid of odd shapes; prints the max relative error (max|out - ref| /
+max|ref|) per backend, op and dtype with PASS/FAIL against ``dispatch.contracts.tolerances`` and exits 1
+on any failure.
 
-``--quick`` covers every activation in float32 (with dropout), p = 0 once and every dtype with gelu:
-each factor's every value, not their product. On CPU it keeps to a 45 s ``--budget``, shared by the
-backends: compiling ones (inductor, nvfuser) took 10-75 s per case on 2 busy cores, so they may stop
-early, their remaining cases listed as skipped. CPU shapes are small: Triton runs there only through
-its interpreter (``TRITON_INTERPRET=1``), which parity includes, since it asks for backends by name.
+``--quick`` covers every variant in float32 (with dropout), p = 0 once and every dtype with gelu (an
+op's first variant): each factor's every value, not their product. On CPU it keeps to a 45 s
+``--budget``, shared by the backends: compiling ones (inductor, nvfuser) took 10-75 s per case on 2
+busy cores, so they may stop early, their remaining cases listed as skipped. CPU shapes are small:
+Triton runs there only through its interpreter (``TRITON_INTERPRET=1``), which parity includes, since
+it asks for backends by name.
 The last line counts the backend x op x dtype groups that ran and passed, and those not run or cut
 short, with each backend's cause (budget, unavailable, not supported). A backend this device's table
 picks anywhere that the budget cut short makes the verdict "incomplete" (exit code 2): a pass must have
@@ -49,25 +51,26 @@ class Row:
     failures: list[str] = field(default_factory=list)
 
 
-Case = tuple[str, str, torch.dtype, bool, tuple[int, ...]]  # op, activation, dtype, dropout, shape
+Case = tuple[str, Optional[str], torch.dtype, bool, tuple[int, ...]]  # op, variant, dtype, dropout, shape
 Group = tuple[str, str, str]  # backend, op, dtype: one row of the report
 BUDGET, UNAVAILABLE, UNSUPPORTED = "budget", "unavailable", "not supported"  # why a case was not run
 
 
 def grid(device: torch.device, quick: bool) -> list[Case]:
-    """The cases, both ops interleaved and the most telling first (gelu, float32, dropout on), so a
-    --budget that stops a slow backend early still leaves it checked on both ops."""
+    """The cases, the ops interleaved and the most telling first (an op's first variant, gelu where it
+    takes it; float32; dropout on), so a --budget that stops a slow backend early still leaves it checked
+    on every op."""
     per_op = []
     for spec in ops.all_specs():
         op = spec.name
         shapes = spec.grid.parity.get(device.type) or spec.grid.parity["cuda"]
         drops = (True, False) if spec.dropout else (False,)
-        acts = sorted(spec.activations, key=lambda a: a != "gelu")
+        acts = sorted(spec.variants(), key=lambda a: a != "gelu")
         if quick:
-            shape = shapes[0]
+            shape, first = shapes[0], acts[0]
             todo = [(op, a, torch.float32, drops[0], shape) for a in acts]
-            todo[1:1] = [(op, "gelu", d, drops[0], shape) for d in DTYPES if d != torch.float32]
-            todo += [(op, "gelu", torch.float32, d, shape) for d in drops[1:]]  # p = 0 once
+            todo[1:1] = [(op, first, d, drops[0], shape) for d in DTYPES if d != torch.float32]
+            todo += [(op, first, torch.float32, d, shape) for d in drops[1:]]  # p = 0 once
         else:
             todo = [(op, a, d, p, s) for a in acts for d in DTYPES for p in drops for s in shapes]
         per_op.append(todo)
@@ -88,7 +91,7 @@ def run(
     runnable = [n for n in names if n != "eager" and backends()[n].unavailable() is None]
     share = budget / max(len(runnable), 1) if budget is not None else None
     for i, (op, activation, dtype, dropout, shape) in enumerate(grid(device, quick)):
-        case = cases.Case(op, dtype, activation, True, dropout, shape[0], tuple(shape[1:]), device)
+        case = cases.case(op, dtype, activation, True, dropout, shape[0], tuple(shape[1:]), device)
         call = case.call()
         inp = refs = eager = None
         for name in names:
@@ -115,7 +118,7 @@ def run(
             row.seconds += time.monotonic() - start
             spent[name] += time.monotonic() - start
             row.cases += 1
-            label = f"{activation}, {'x'.join(map(str, shape))}, p={case.p}"
+            label = ", ".join(filter(None, (activation, "x".join(map(str, shape)), f"p={case.p}")))
             if c.failure:
                 row.failures.append(f"{label}: {c.failure}")
                 row.worst = float("inf")

@@ -3,8 +3,8 @@
 Rows are token-count buckets M, columns feature sizes (the op's dims after M: N, or N,K for
 fused_linear), each cell the backend lookup chooses there and its measured speedup over plain PyTorch
 (the composite a user writes; schema 1 tables, which did not time it, over the eager backend).
-Activations whose cells are all equal share one table. ``--gpu`` takes a device slug or name
-(nvidia-h200, "NVIDIA H200"), or a path.
+Activations (an op's variant trait's values) whose cells are all equal share one table. ``--gpu`` takes
+a device slug or name (nvidia-h200, "NVIDIA H200"), or a path.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ import torch
 from tabulate import tabulate
 
 from dispatch import heuristics, ops
-from dispatch.contracts.backend import Call
 from dispatch.contracts.shapes import TOKENS
 from dispatch.heuristics.ranking import BASELINE, costs, preference, rank
-from dispatch.heuristics.schema import DeviceInfo, EntryRecord, SegmentRecord
+from dispatch.heuristics.schema import DeviceInfo, EntryKey, EntryRecord, SegmentRecord, variant_of
 
 LEGEND = (
     "cell: backend and its speedup over {base} measured at that M (~: at the nearest measured M where "
@@ -69,9 +68,7 @@ def _grid(table: heuristics.Table, entries: list[EntryRecord]) -> tuple[list[str
     for m in [t for t in TOKENS if t <= max_m] + [t for t in TOKENS if t > max_m][:1]:
         row = [f"{'>' if m > max_m else ''}{m}"]
         for e in entries:
-            call = Call(e["op"], torch.device("cpu"), getattr(torch, e["dtype"]), (m, *e["features"]),
-                        e["mode"] == "training", ("activation", "dropout"), (e["activation"], e["dropout"]))
-            choice = table.choose(call)
+            choice = table.choose(EntryKey.of_entry(e).call((m, *e["features"])))
             row.append(f"{choice.backend}{_speedup(e, m, choice.backend, table.version)}" if choice else "-")
         rows.append(row)
     return ["M \\ " + ",".join(ops.get(entries[0]["op"]).dims[1:])] + [
@@ -87,33 +84,37 @@ def render(
     mode: Optional[str] = None,
 ) -> str:
     """Every choice table of ``table`` matching the filters, then the legend with its provenance."""
-    families: dict[tuple, dict[str, list[EntryRecord]]] = {}
+    families: dict[tuple, dict[Optional[str], list[EntryRecord]]] = {}
     for e in table.data["entries"]:
         if (
             (op or e["op"]) == e["op"]
             and (dtype or e["dtype"]) == e["dtype"]
-            and (activation or e["activation"]) == e["activation"]
+            and activation in (None, variant_of(e))
             and (mode or e["mode"]) == e["mode"]
         ):
-            fam = (e["op"], e["dtype"], e["mode"], e["dropout"])
-            families.setdefault(fam, {}).setdefault(e["activation"], []).append(e)
+            fam = (e["op"], e["dtype"], e["mode"], e.get("dropout", False))
+            families.setdefault(fam, {}).setdefault(variant_of(e), []).append(e)
     out = []
     for (fop, fdtype, fmode, fdrop), by_act in sorted(families.items()):
-        shared: dict[str, tuple[list[str], list[str], list[list[str]]]] = {}
+        shared: dict[str, tuple[list, list[str], list[list[str]]]] = {}
         for act, entries in by_act.items():
             headers, rows = _grid(table, entries)
             key = repr((headers, rows))
             shared.setdefault(key, ([], headers, rows))[0].append(act)
+        variant = ops.get(fop).variant
         for acts, headers, rows in shared.values():
             measured = sorted(
                 {
-                    e.get("measured_as", a) + (f" {e['measured_dtype']}" if "measured_dtype" in e else "")
+                    " ".join(filter(None, (e.get("measured_as", a), e.get("measured_dtype"))))
                     for a in acts
                     for e in by_act[a]
                 }
+                - {""}
             )
-            title = f"{fop}  {fdtype}  {fmode}{'  dropout' if fdrop else ''}  activation {', '.join(acts)}"
-            out += [f"{title}  (timed as {', '.join(measured)})", tabulate(rows, headers=headers), ""]
+            title = f"{fop}  {fdtype}  {fmode}{'  dropout' if fdrop else ''}"
+            title += f"  {variant} {', '.join(acts)}" if variant else ""
+            timed = f"  (timed as {', '.join(measured)})" if measured else ""
+            out += [f"{title}{timed}", tabulate(rows, headers=headers), ""]
     if not families:
         out.append("no entries match these filters")
     slim = any("points" not in e for e in table.data["entries"])
@@ -218,7 +219,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--gpu", help="device slug or name, or a table's path (default: this machine's device)")
     p.add_argument("--op", choices=ops.names())
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--activation", choices=sorted({a for s in ops.all_specs() for a in s.activations}))
+    every = {a for s in ops.all_specs() for a in s.variants() if a is not None}
+    p.add_argument("--activation", choices=sorted(every), help="an activation (a value of an op's variant)")
     p.add_argument("--mode", choices=heuristics.MODES)
     args = p.parse_args(argv)
     table = find(args.gpu)

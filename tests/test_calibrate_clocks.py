@@ -33,7 +33,7 @@ def test_points_whose_contenders_are_slow_calls_take_more_rounds():
 def test_host_clock_waits_for_no_gpu():
     """Clock.time on the CPU: interleaved rounds, a median per entry, the baseline timed alongside, an
     entry that raises reported, an entry refused a start (no budget) not run at all."""
-    case = cases.Case("bias_act_dropout", torch.float32, "relu", False, False, 4, (8,), CPU)
+    case = cases.case("bias_act_dropout", torch.float32, "relu", False, False, 4, (8,), CPU)
     inp = cases.make_inputs(case, 0)
     ran = []
     timers = {n: measure.timer(n, case, inp) for n in ("eager", plan.BASELINE)}
@@ -51,7 +51,7 @@ def test_clock_chains_a_short_point_alike_and_keeps_hopeless_entries_at_their_es
     no point mixes chained and single timings; an entry at least SKIP_MS a call and over HOPELESS_X
     times the cheapest keeps its single-call estimate untimed; a point whose cheapest entry is at
     CHAIN_BELOW_MS or more is timed one forward per backward throughout."""
-    case = cases.Case("fused_linear", torch.float32, "relu", True, False, 4, (8, 8), CPU)
+    case = cases.case("fused_linear", torch.float32, "relu", True, False, 4, (8, 8), CPU)
     built = []
 
     def timer(name, est, chain=True, calls=1):  # chained: a little less per call (autograd's cost shared)
@@ -121,7 +121,7 @@ def test_cuda_clocks_retry_a_drained_queue_and_fall_back_where_capture_fails(mon
     monkeypatch.setattr(timing, "wall_ms", lambda *a, **k: 0.5)
     monkeypatch.setattr(timing, "sleep_cycles_per_ms", lambda device: 1e6)
     clock = measure.Clock(types.SimpleNamespace(type="cuda"), 3, True)
-    case = cases.Case("fused_linear", torch.float32, "relu", True, False, 4, (8, 8), CPU)
+    case = cases.case("fused_linear", torch.float32, "relu", True, False, 4, (8, 8), CPU)
     calls = []
     t = measure.Timer(lambda: calls.append(1), [], 4, "nvfuser", case)
     us, was_drained = clock.host_us(t, est_ms=0.01)  # 0.04 ms a run of 4 calls: 20 runs, then 5
@@ -146,7 +146,7 @@ def test_cuda_clocks_retry_a_drained_queue_and_fall_back_where_capture_fails(mon
     monkeypatch.setattr(measure.Clock, "first", lambda self, t: 0.0)
     monkeypatch.setattr(measure.Clock, "estimate_ms", estimate)
     monkeypatch.setattr(measure.Clock, "host_us", lambda self, t, est_ms: (50.0, False))
-    served = cases.Case("fused_linear", torch.float32, "relu", False, False, 4, (8, 8), CPU)
+    served = cases.case("fused_linear", torch.float32, "relu", False, False, 4, (8, 8), CPU)
     long = measure.Timer(lambda: None, [], 1, "eager", served)
     got, _ = clock.time({"eager": long})
     assert runs == [2] + [5] * measure.SLOW_ROUNDS and measure.SLOW_ROUNDS == 7

@@ -243,7 +243,7 @@ def test_pytorch_is_timed_once_and_first():
     """The registry lists a backend named pytorch too: a point names it once, first, --backends or not."""
     p = plan.default_plan(CPU, True, 10.0, ["bias_act_dropout"])
     fam = plan.Family("bias_act_dropout", torch.float32, "inference", False)
-    case = cases.Case("bias_act_dropout", torch.float32, "gelu", False, False, 4, (32,), CPU)
+    case = cases.case("bias_act_dropout", torch.float32, "gelu", False, False, 4, (32,), CPU)
     for only in (None, frozenset({"eager", plan.BASELINE}), frozenset({"eager"})):
         names = series.Measurer(p, only, lambda: 1.0, None).names(case)
         assert names[0] == plan.BASELINE and names.count(plan.BASELINE) == 1 and "eager" in names, names
@@ -254,10 +254,10 @@ def test_a_torch_mask_backend_is_checked_with_the_mask_it_drew():
     """Plain PyTorch's masks are torch's: its gate replays them from the run's seeded generator, both
     of fused_mlp's (hidden, then output) and bias_act_dropout's, even in bfloat16 where x + b == 0
     exactly at a few elements (there y cannot tell a dropped element from a kept one)."""
-    mlp = cases.Case("fused_mlp", torch.float32, "gelu", True, True, 5, (8, 16), CPU)
+    mlp = cases.case("fused_mlp", torch.float32, "gelu", True, True, 5, (8, 16), CPU)
     got = cases.gate(plan.BASELINE, mlp, *cases.inputs(mlp))
     assert got.passed and got.error < 1e-4 and got.why == "", got
     for dtype, act in ((torch.float32, "gelu"), (torch.bfloat16, "identity")):
-        case = cases.Case("bias_act_dropout", dtype, act, True, True, 64, (4096,), CPU)
+        case = cases.case("bias_act_dropout", dtype, act, True, True, 64, (4096,), CPU)
         got = cases.gate(plan.BASELINE, case, *cases.inputs(case))
         assert got.passed and got.why == "", got

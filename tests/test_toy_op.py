@@ -57,9 +57,8 @@ class ScaledAdd(OpSpec):
     name = NAME
     public_name = NAME
     dims = ("M", "N")
-    activations = ("identity",)  # the calibrator's one class
     grid = Grid(
-        features=((64,),), quick={"cpu": ((64,),)}, classes=(("identity",),), gemm=False,
+        features=((64,),), quick={"cpu": ((64,),)}, classes=(), gemm=False,
         check_work=2**20, families=(("training", False), ("inference", False)),
     )  # fmt: skip
 
@@ -157,28 +156,34 @@ def test_the_planner_plans_it_on_the_cpu():
     families = plan.family_order([NAME])
     assert families == [("training", NAME, False), ("inference", NAME, False)]
     family = plan.Family(NAME, torch.float32, "training", False)
-    series = plan.series_of(p, family, SPEC.activations)
-    assert [s.rep for s in series] == ["identity"]
+    assert SPEC.variant is None and SPEC.variants() == (None,)  # no trait to run series over: one a family
+    series = plan.series_of(p, family, SPEC.variants())
+    assert [s.rep for s in series] == [None] and series[0].label == "scaled_add float32 training"
     assert p.grid(NAME, (64,), torch.float32)[-1] == p.m_cap(NAME, (64,), torch.float32)
-    assert plan.servers(NAME, "identity") >= {"eager", "pytorch"}
+    assert plan.servers(NAME, None) >= {"eager", "pytorch"}
 
 
 def test_a_calibration_measures_it_and_the_table_prints_it(tmp_path, capsys):
-    """python -m dispatch.calibrate --quick --ops scaled_add on the CPU: an entry per family at the op's
-    own activation, plain PyTorch and eager timed at every point, each winner parity-checked; then
-    python -m dispatch.table prints it. The toy's eager (two passes through a Function) runs at 0.2-0.5x
-    PyTorch's one add: PyTorch wins, at 1.00x."""
+    """python -m dispatch.calibrate --quick --ops scaled_add on the CPU: an entry per family, keyed by no
+    trait (no activation, no dropout field), plain PyTorch and eager timed at every point, each winner
+    parity-checked; then python -m dispatch.table prints it and the table answers its calls. The toy's
+    eager (two passes through a Function) runs at 0.2-0.5x PyTorch's one add: PyTorch wins, at 1.00x."""
     out = tmp_path / "toy.json"
     assert calibrate.main(["--quick", "--ops", NAME, "--budget", "20", "--out", str(out)]) == 0
     entries = json.loads(out.read_text())["entries"]
-    assert sorted((e["activation"], e["mode"]) for e in entries) == [("identity", "inference"),
-                                                                     ("identity", "training")]  # fmt: skip
+    assert sorted(e["mode"] for e in entries) == ["inference", "training"]
     for e in entries:
+        assert list(e)[:4] == ["op", "dtype", "mode", "features"] and "measured_as" not in e, list(e)
         assert all({"eager", "pytorch"} <= p["gpu_us"].keys() for p in e["points"]), e["points"]
         assert all(s["backend"] in s["errors"] for s in e["segments"]), e["segments"]
     capsys.readouterr()
     assert table_cli.main(["--gpu", str(out), "--op", NAME]) == 0
     printed = capsys.readouterr().out
     for mode in ("inference", "training"):
-        assert f"scaled_add  float32  {mode}  activation identity  (timed as identity)" in printed, printed
-    assert "pytorch 1.00x" in printed and "activation gelu" not in printed, printed
+        assert f"scaled_add  float32  {mode}\n" in printed, printed
+    assert "pytorch 1.00x" in printed and "activation" not in printed.split("cell:")[0], printed
+    from dispatch import heuristics
+
+    call = SPEC.call(torch.device("cpu"), torch.float32, (16, 64), True)
+    choice = heuristics.load_table(str(out)).choose(call)
+    assert choice.backend == "pytorch" and "scaled_add float32 training, the segment" in choice.description

@@ -42,7 +42,7 @@ from dispatch.table import runs_of
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dispatch.calibrate", description=__doc__.split("\n")[0])
     add = p.add_argument
-    every = list(dict.fromkeys(a for op in ops.all_specs() for a in op.activations))
+    every = list(dict.fromkeys(a for op in ops.all_specs() for a in op.variants() if a is not None))
     add("--ops", nargs="+", choices=ops.names(), default=list(ops.names()))
     add(
         "--dtypes",
@@ -50,7 +50,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         choices=["float32", "bfloat16", "float16"],
         help="measured dtypes (GPU: bfloat16, float16 sharing its timings, float32; CPU: float32, bfloat16)",
     )
-    add("--activations", nargs="+", choices=every, help="default: each op's own (an op takes only its own)")
+    add("--activations", nargs="+", choices=every,
+        help="values of the ops' variant traits, activations (an op takes only its own); default: all")
     add("--modes", nargs="+", choices=MODES, default=list(MODES))
     add("--backends", nargs="+", help=f"time only these ({BASELINE}, the baseline, always)")
     add("--quick", action="store_true", help="a few feature sizes and token counts, one dtype")

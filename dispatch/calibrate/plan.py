@@ -23,7 +23,8 @@ from dispatch.contracts import shapes
 from dispatch.heuristics.ranking import (  # noqa: F401  (the ranking rule, for the calibrator)
     BASELINE, NOISE, PREFERENCE, PREFERENCE_INFERENCE, bound, costs, estimated, preference, rank, winner,
 )  # fmt: skip
-from dispatch.heuristics.schema import EntryRecord, Point, SegmentRecord
+from dispatch.heuristics.schema import EntryRecord, Point, SegmentRecord, variant_of
+from dispatch.registry import backends
 
 MODES = ("inference", "training")
 # float16 shares bfloat16's timings on a GPU (each cell checked in float16): the same kernels; the two
@@ -115,7 +116,7 @@ def default_plan(
 
 @dataclass(frozen=True)
 class Family:
-    """Calls that share a budget: one op, measured dtype, mode and dropout setting."""
+    """Calls that share a budget: one op, measured dtype, mode and dropout setting (False: no such trait)."""
 
     op: str
     dtype: torch.dtype
@@ -129,16 +130,16 @@ class Family:
 
 @dataclass
 class Series:
-    """One measured activation (``rep``) of a family and the (activation, dtype) members sharing it."""
+    """One measured variant (``rep``: an activation, or None) of a family and the members sharing it."""
 
     family: Family
-    rep: str
-    members: list[tuple[str, torch.dtype]] = field(default_factory=list)
+    rep: Optional[str]
+    members: list[tuple[Optional[str], torch.dtype]] = field(default_factory=list)
 
     @property
     def label(self) -> str:
-        f = self.family
-        return f"{f.op} {str(f.dtype)[6:]} {self.rep} {f.mode}{' dropout' if f.dropout else ''}"
+        f, rep = self.family, f" {self.rep}" if self.rep is not None else ""
+        return f"{f.op} {str(f.dtype)[6:]}{rep} {f.mode}{' dropout' if f.dropout else ''}"
 
     @property
     def partial(self) -> frozenset[str]:
@@ -148,22 +149,23 @@ class Series:
         return mine - mine.intersection(*(servers(op, a) for a, _ in self.members))
 
 
-def servers(op: str, activation: str) -> frozenset[str]:
-    from dispatch.registry import backends
+def servers(op: str, value: Optional[str]) -> frozenset[str]:
+    free = ops.get(op).variant != "activation"  # backends declare the activations they take, no other trait
+    return frozenset(
+        n for n, b in backends().items() if b.implements(op) and (free or value in b.activations)
+    )
 
-    return frozenset(n for n, b in backends().items() if b.implements(op) and activation in b.activations)
 
-
-def classes(op: str, activations: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """The op's activation classes restricted to ``activations`` (of those the op takes), each led by the
-    member most backends serve; a member served by a backend its representative lacks is measured alone
-    (that backend's timings would be missing)."""
-    activations = tuple(a for a in activations if a in ops.get(op).activations)
+def classes(op: str, variants: tuple[Optional[str], ...]) -> list[tuple[Optional[str], ...]]:
+    """The op's classes of its variant's values (``grid.classes``; (None,) without one) restricted to
+    ``variants`` (of those it takes), each led by the member most backends serve; a member served by a
+    backend its representative lacks is measured alone (that backend's timings would be missing)."""
+    variants = tuple(a for a in variants if a in ops.get(op).variants())
     own = ops.get(op).grid.classes
     listed = {a for cls in own for a in cls}
-    out: list[tuple[str, ...]] = []
-    for cls in [*own, *((a,) for a in activations if a not in listed)]:
-        chosen = [a for a in cls if a in activations]
+    out: list[tuple[Optional[str], ...]] = []
+    for cls in [*own, *((a,) for a in variants if a not in listed)]:
+        chosen = [a for a in cls if a in variants]
         if chosen:
             rep = max(chosen, key=lambda a: len(servers(op, a)))
             shared = [a for a in chosen if a != rep and servers(op, a) <= servers(op, rep)]
@@ -171,9 +173,9 @@ def classes(op: str, activations: tuple[str, ...]) -> list[tuple[str, ...]]:
     return out
 
 
-def series_of(plan: Plan, family: Family, activations: tuple[str, ...]) -> list[Series]:
+def series_of(plan: Plan, family: Family, variants: tuple[Optional[str], ...]) -> list[Series]:
     out = []
-    for cls in classes(family.op, activations):
+    for cls in classes(family.op, variants):
         members = [(a, family.dtype) for a in cls[1:]]
         members += [(a, d) for d in plan.shared.get(family.dtype, ()) for a in cls]
         out.append(Series(family, cls[0], members))
@@ -217,10 +219,10 @@ def pool_host(entries: list[EntryRecord]) -> None:
     activation, size; only measured series' samples); what the clock read stays in ``host_us_measured``.
     Series medians still moved 15% (median) to 1.8x (p90) between two full runs and 9% of the cells
     with them; family medians 3.9%. GPU clocks only: on a CPU both are wall time."""
-    family = lambda e: (e["op"], e["mode"], e["dropout"])  # noqa: E731
+    family = lambda e: (e["op"], e["mode"], e.get("dropout", False))  # noqa: E731
     samples: dict[tuple, list[Point]] = {}
     for e in entries:
-        if e["activation"] == e["measured_as"] and "measured_dtype" not in e:
+        if variant_of(e) == e.get("measured_as") and "measured_dtype" not in e:
             samples.setdefault(family(e), []).extend(e["points"] + e.get("held_out", []))
     medians = {k: series_host(v) for k, v in samples.items()}
     for e in entries:
@@ -233,8 +235,6 @@ def pool_host(entries: list[EntryRecord]) -> None:
 
 def compiling() -> frozenset[str]:
     """Backends that compile per kind of call: a capture never runs them (they would compile inside it)."""
-    from dispatch.registry import backends
-
     return frozenset(n for n, b in backends().items() if b.compiles)
 
 

@@ -14,15 +14,16 @@ import platform
 import sys
 from typing import Optional
 
-import torch
-
 from dispatch import heuristics, select
 from dispatch.calibrate.plan import (
     BASELINE, NOISE, PREFERENCE, PREFERENCE_INFERENCE, Plan, costs, estimated, fit, pool_host, preference,
     runs,
 )  # fmt: skip
-from dispatch.cases import P_DROPOUT, Case
-from dispatch.heuristics.schema import DeviceInfo, Document, EntryRecord, Point, SelfCheck
+from dispatch.cases import P_DROPOUT
+from dispatch.contracts.backend import Call
+from dispatch.heuristics.schema import (
+    DeviceInfo, Document, EntryKey, EntryRecord, Point, SelfCheck, variant_of,
+)  # fmt: skip
 from dispatch.registry import backends
 
 TARGETS = {"within_5pct": 0.95, "worst_regret": 0.10, "worst_vs_pytorch": 0.03}
@@ -34,8 +35,10 @@ NOT_CHECKED = "refit: no parity check passed in this entry"
 def document(entries: list[EntryRecord], info: DeviceInfo, plan: Plan, progress: dict) -> Document:
     """A calibration's document: ``entries``, the device ``info``, the rule and timers, and the run's
     ``progress`` (budget, families, seconds...) in its settings."""
-    fields = ("op", "dtype", "mode", "dropout", "activation", "features")
-    entries = sorted(entries, key=lambda e: tuple(e[k] for k in fields))
+    def order(e: EntryRecord) -> tuple:
+        return e["op"], e["dtype"], e["mode"], e.get("dropout", False), str(variant_of(e)), e["features"]
+
+    entries = sorted(entries, key=order)
     gpu = plan.device.type == "cuda"
     settings = {
         "quick": plan.quick, "noise": NOISE, "preference": list(PREFERENCE),
@@ -58,11 +61,9 @@ def document(entries: list[EntryRecord], info: DeviceInfo, plan: Plan, progress:
     }  # fmt: skip
 
 
-def case_of(e: EntryRecord, m: int) -> Case:
-    """The case of a table entry at M = m (on the CPU: only the key matters for a lookup)."""
-    dtype, training = getattr(torch, e["dtype"]), e["mode"] == "training"
-    cpu = torch.device("cpu")
-    return Case(e["op"], dtype, e["activation"], training, e["dropout"], m, tuple(e["features"]), cpu)
+def call_of(e: EntryRecord, m: int) -> Call:
+    """A call of a table entry's key at M = m (on the CPU: only the key matters for a lookup)."""
+    return EntryKey.of_entry(e).call((m, *e["features"]))
 
 
 def picks(doc: Document) -> list[tuple[EntryRecord, Point, Optional[str], Optional[str]]]:
@@ -72,7 +73,7 @@ def picks(doc: Document) -> list[tuple[EntryRecord, Point, Optional[str], Option
     for e in doc["entries"]:
         for pt in e.get("held_out", []):
             if costs(pt):
-                choice = table.choose(case_of(e, pt["m"]).call())
+                choice = table.choose(call_of(e, pt["m"]))
                 pick = choice.backend if choice else None
                 captured = select.capture_pick(choice, {})[0] if choice else None
                 out.append((e, pt, pick, captured.name if captured is not None else pick))
@@ -87,7 +88,7 @@ def agreement(a: Document, b: Document) -> tuple[float, int]:
     for e in b["entries"]:
         if heuristics.EntryId.of_entry(e) in keys:
             for m in AGREE_M:
-                ca, cb = ta.choose(case_of(e, m).call()), tb.choose(case_of(e, m).call())
+                ca, cb = ta.choose(call_of(e, m)), tb.choose(call_of(e, m))
                 cells += 1
                 same += (ca and ca.backend) == (cb and cb.backend)
     return (same / cells if cells else 0.0), cells

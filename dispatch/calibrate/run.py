@@ -18,7 +18,7 @@ from dispatch.calibrate import report
 from dispatch.calibrate.gate import unchecked
 from dispatch.calibrate.plan import Family, Plan, Series, series_of
 from dispatch.calibrate.series import Measurer, dtype_name, entry_id
-from dispatch.heuristics.schema import DeviceInfo, Document, EntryId, EntryRecord
+from dispatch.heuristics.schema import DeviceInfo, Document, EntryId, EntryRecord, variant_of
 
 SAVE_EVERY_S = 30.0
 END_S = 5.0  # kept from the budget (at most a tenth) for the self-check, the bandwidth probe, writing
@@ -30,7 +30,7 @@ class Settings:
 
     ops: tuple[str, ...]
     modes: tuple[str, ...]
-    activations: Optional[tuple[str, ...]] = None  # None: each op's own
+    activations: Optional[tuple[str, ...]] = None  # variants (activations); None: each op's own
     backends: Optional[frozenset[str]] = None  # time only these, and the baseline (None: every one)
     quick: bool = False
     budget: Optional[float] = None  # seconds; None: the plan's default
@@ -41,14 +41,16 @@ class Settings:
     refresh: bool = False  # measure the selected families again, keep the rest
     workers: Optional[int] = None  # processes compiling ahead (None: warm.workers' default)
 
-    def activations_of(self, op: str) -> tuple[str, ...]:
-        own = ops.get(op).activations
+    def activations_of(self, op: str) -> tuple[Optional[str], ...]:
+        """The values of the op's variant trait to measure: those asked for that it takes (an op
+        without a variant has one, None, which only a run asking for none takes)."""
+        own = ops.get(op).variants()
         return own if self.activations is None else tuple(a for a in self.activations if a in own)
 
     def selects(self, e: EntryRecord, dtypes: set[str]) -> bool:
         """Whether an existing table's entry is of this run's selection (``dtypes``: measured or shared)."""
         return e["op"] in self.ops and e["dtype"] in dtypes and e["mode"] in self.modes and (
-            e["activation"] in self.activations_of(e["op"]))  # fmt: skip
+            variant_of(e) in self.activations_of(e["op"]))  # fmt: skip
 
 
 class Task(NamedTuple):

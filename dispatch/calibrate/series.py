@@ -8,7 +8,7 @@ import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 from tqdm import tqdm
@@ -19,7 +19,7 @@ from dispatch.calibrate.gate import Gates
 from dispatch.calibrate.plan import (
     BASELINE, Family, Plan, Series, contenders, held_out_ms, hopeless_in, preference, spread, to_bisect,
 )  # fmt: skip
-from dispatch.heuristics.schema import EntryId, EntryKey, EntryRecord, Point
+from dispatch.heuristics.schema import EntryId, EntryKey, EntryRecord, Point, key_fields
 from dispatch.registry import backends
 
 
@@ -27,8 +27,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def entry_id(f: Family, act: str, dtype: torch.dtype, features: tuple[int, ...]) -> EntryId:
-    """The id of the entry of family ``f`` at one activation, dtype and feature size."""
+def entry_id(f: Family, act: Optional[str], dtype: torch.dtype, features: tuple[int, ...]) -> EntryId:
+    """The id of the entry of family ``f`` at one variant (activation), dtype and feature size."""
     return EntryId(EntryKey.make(f.op, dtype_name(dtype), act, f.mode, f.dropout), tuple(features))
 
 
@@ -63,9 +63,10 @@ class Measurer:
         self.dropped: dict[tuple, set[str]] = {}  # (family, rep) -> backends its first size found hopeless
         self.log: list[SeriesLog] = []
 
-    def case(self, f: Family, act: str, dtype: torch.dtype, m: int, features: tuple[int, ...]) -> cases.Case:
-        training, device = f.mode == "training", self.plan.device
-        return cases.Case(f.op, dtype, act, training, f.dropout, m, tuple(features), device)
+    def case(
+        self, f: Family, act: Optional[str], dtype: torch.dtype, m: int, features: tuple[int, ...]
+    ) -> cases.Case:
+        return cases.case(f.op, dtype, act, f.mode == "training", f.dropout, m, features, self.plan.device)
 
     def names(self, case: cases.Case) -> list[str]:
         """The baseline, then every other backend that would serve this call on its own (never an
@@ -78,7 +79,8 @@ class Measurer:
         """The point at ``case``; its seconds go in ``timed`` by M."""
         start = time.monotonic()
         dims = "x".join(map(str, (case.m, *case.features)))
-        self.bar.set_description_str(f"{case.op} {dtype_name(case.dtype)} {case.activation} {dims}", False)
+        what = " ".join(filter(None, (case.op, dtype_name(case.dtype), case.variant, dims)))
+        self.bar.set_description_str(what, False)
         # a first call (a compile) starts only while time is left; eager and the baseline compile nothing
         may_start = lambda n: n in ("eager", BASELINE) or self.left() > 0  # noqa: E731
         pt, spent = measure.point(case, names, self.clock, may_start)
@@ -142,21 +144,22 @@ class Measurer:
         return out
 
     def entry(
-        self, s: Series, act: str, dtype: torch.dtype, features: tuple[int, ...], points: list[Point],
-        held: list[Point], compiled: bool = True,
+        self, s: Series, act: Optional[str], dtype: torch.dtype, features: tuple[int, ...],
+        points: list[Point], held: list[Point], compiled: bool = True,
     ) -> Optional[EntryRecord]:  # fmt: skip
-        """The entry of ``points`` once gated (``compiled``: the backends were timed at this activation and
-        dtype, so a check compiles nothing new); None where no segment is left."""
+        """The entry of ``points`` once gated (``compiled``: the backends were timed at this variant and
+        dtype, so a check compiles nothing new); None where no segment is left. Its key's fields are the
+        op's (``schema.key_fields``); ``measured_as`` names the variant timed, for an op with one."""
         f = s.family
         case_at = lambda m: self.case(f, act, dtype, m, features)  # noqa: E731
         cap = self.plan.check_cap(f.op, features)
         segments = self.gates.checked(points, case_at, preference(f.mode), cap, compiled)
         if not segments:
             return None
-        e: EntryRecord = {
-            "op": f.op, "dtype": dtype_name(dtype), "activation": act, "mode": f.mode, "dropout": f.dropout,
-            "features": list(features), "measured_as": s.rep,
-        }  # fmt: skip
+        e = cast(EntryRecord, key_fields(f.op, dtype_name(dtype), act, f.mode, f.dropout))
+        e["features"] = list(features)
+        if s.rep is not None:
+            e["measured_as"] = s.rep
         if dtype != f.dtype:
             e["measured_dtype"] = dtype_name(f.dtype)
         e.update(parity_checked=True, max_m=max(p["m"] for p in points), segments=segments)

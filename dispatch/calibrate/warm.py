@@ -35,7 +35,7 @@ def workers(asked: Optional[int], device: torch.device) -> int:
 
 
 def jobs(work: list, plan, only) -> list[list]:
-    """[backend, op, dtype, activation, training, dropout, m, features] for each warm-up call."""
+    """[backend, op, dtype, variant (activation), training, dropout, m, features] for each warm-up call."""
     out = []
     for s, features in work:
         f = s.family
@@ -47,9 +47,8 @@ def jobs(work: list, plan, only) -> list[list]:
             ms = grid if name == "triton" else sorted({grid[0], grid[-1]})  # inductor: dynamic M
             for act, dtype in [(s.rep, f.dtype)] + (s.members if name == "triton" else []):
                 for m in ms:
-                    case = cases.Case(
-                        f.op, dtype, act, f.mode == "training", f.dropout, m, features, plan.device
-                    )
+                    training = f.mode == "training"
+                    case = cases.case(f.op, dtype, act, training, f.dropout, m, features, plan.device)
                     if not b.not_supported_reasons(case.call(), explicit=False):
                         out.append(
                             [name, f.op, str(dtype)[6:], act, case.training, f.dropout, m, list(features)]
@@ -129,9 +128,7 @@ def _worker(path: str) -> None:
         for name, op, dtype, act, training, dropout, m, features in spec["jobs"]:
             start = time.monotonic()
             try:
-                case = cases.Case(
-                    op, getattr(torch, dtype), act, training, dropout, m, tuple(features), device
-                )
+                case = cases.case(op, getattr(torch, dtype), act, training, dropout, m, features, device)
                 cases.run_once(name, case, cases.make_inputs(case, 0))
                 out.write(f"warmed {name} {time.monotonic() - start:.3f}\n")
             except Exception as exc:  # the measuring process meets it again and records it

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from dispatch.contracts.backend import ACTIVATION_DROPOUT, Call, Kernels
+from dispatch.contracts.backend import Call, Kernels
 
 P_DROPOUT = 0.1  # the p of every calibrated dropout case: a cost does not depend on p, 0.1 is common
 
@@ -36,23 +36,32 @@ class OpCall:
 
 @dataclass(frozen=True)
 class Case:
-    """One shape of one op as the calibrator and parity run it: ``features`` are the decision dims
-    after M ((N,) or (N, K)); ``p`` the dropout probability of a dropout case."""
+    """One shape of one op as the calibrator and parity run it, with the values of the traits its op
+    declares (``traits``, ``OpSpec.traits``): ``variant`` for the one the calibrator's series run over
+    (``OpSpec.variant``: an activation; None for an op without one), ``dropout`` for the dropout trait
+    (False for an op without it); ``features`` are the decision dims after M ((N,) or (N, K)); ``p`` the
+    dropout probability of a dropout case. ``dispatch.cases.case`` makes one from the op's name."""
 
     op: str
     dtype: torch.dtype
-    activation: str
+    variant: Optional[str]
     training: bool  # forward + backward; inference is the forward under no_grad
     dropout: bool
     m: int
     features: tuple[int, ...]
     device: torch.device
+    traits: tuple[str, ...]  # the op's (``OpSpec.traits``): what its call carries
 
     def call(self) -> Call:
-        """The case as a call, with its activation and dropout whatever traits the op declares (what
-        reads a call by trait, a backend's refusals or a table's key, reads only the op's)."""
-        shape, values = (self.m, *self.features), (self.activation, self.dropout)
-        return Call(self.op, self.device, self.dtype, shape, self.training, ACTIVATION_DROPOUT, values)
+        """The case as a call, holding the op's traits and no other."""
+        values = tuple(self.dropout if t == "dropout" else self.variant for t in self.traits)
+        shape = (self.m, *self.features)
+        return Call(self.op, self.device, self.dtype, shape, self.training, self.traits, values)
+
+    @property
+    def activation(self) -> Optional[str]:
+        """The case's activation, None where its op takes none."""
+        return self.variant if "activation" in self.traits else None
 
     @property
     def p(self) -> float:
@@ -78,11 +87,11 @@ class Inputs:
 @dataclass(frozen=True)
 class Grid:
     """What the calibrator measures of an op on one device class: feature sizes in priority order,
-    the activation classes that share one timing, and the work cap of a point."""
+    the classes of its variant trait's values that share one timing, and the work cap of a point."""
 
     features: tuple[tuple[int, ...], ...]  # full runs, priority order
     quick: dict[str, tuple[tuple[int, ...], ...]]  # device type -> a quick run's sizes
-    classes: tuple[tuple[str, ...], ...]  # activations of a class share one timing
+    classes: tuple[tuple[str, ...], ...]  # the variant's values (activations) of a class share one timing
     gemm: bool  # a point's cap counts multiply-adds (M*N*K), else elements (M*N)
     check_work: int  # the largest M*prod(features) a parity check runs at (the float64 reference)
     families: tuple[tuple[str, bool], ...]  # (mode, dropout) in the scheduler's priority order
@@ -102,7 +111,10 @@ class OpSpec:
     # What a call holds past its sizes, dtype and mode, which its decision and table entries key on
     # (a table entry's field each): "activation", "dropout" (p > 0 in training) or the op's own.
     traits: tuple[str, ...] = ()
-    activations: tuple[str, ...]  # the activations calls take (the calibrator's classes)
+    # Fields a table entry of the op holds past its traits, keying nothing: fused_linear's "dropout",
+    # false in every entry, as tables were written before ops declared their traits.
+    entry_extras: tuple[str, ...] = ()
+    activations: tuple[str, ...] = ()  # the activations calls take (the calibrator's classes)
     grid: Grid
 
     @property
@@ -113,6 +125,21 @@ class OpSpec:
     def dropout(self) -> bool:
         """Whether calls may drop out: the op declares the dropout trait."""
         return "dropout" in self.traits
+
+    @property
+    def variant(self) -> Optional[str]:
+        """The trait the calibrator's series and parity's cases run over, its values grouped by
+        ``grid.classes``: the op's one trait past dropout (an activation), None for an op with none (one
+        series a family). An op with two such traits could not be calibrated: a ValueError."""
+        rest = [t for t in self.traits if t != "dropout"]
+        if len(rest) > 1:
+            raise ValueError(f"{self.name} declares the traits {rest}: calibration takes one, and dropout")
+        return rest[0] if rest else None
+
+    def variants(self) -> tuple[Optional[str], ...]:
+        """The variant trait's values calls take (its activations for an activation; an op with another
+        variant overrides this), (None,) for an op without a variant."""
+        return (None,) if self.variant is None else self.activations
 
     def call(self, device: torch.device, dtype: torch.dtype, shape: tuple[int, ...], training: bool,
              **traits: Any) -> Call:  # fmt: skip

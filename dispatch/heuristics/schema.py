@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Optional, TypedDict
 
+import torch
+
 from dispatch import ops
 from dispatch.contracts.backend import Call
 
@@ -27,7 +29,7 @@ MAX_SIZE = 2**62
 class EntryKey(NamedTuple):
     """What a table entry answers for, bar its feature sizes: the key a call is looked up by. Past the
     op, dtype and mode, the traits its op declares (``OpSpec.traits``), each an entry field of that
-    name; an entry's other fields key nothing (fused_linear's ``dropout``, which every entry holds)."""
+    name; an entry's other fields key nothing (fused_linear's ``dropout``: ``OpSpec.entry_extras``)."""
 
     op: str
     dtype: str  # a torch dtype's name: "float32", "bfloat16"...
@@ -41,9 +43,11 @@ class EntryKey(NamedTuple):
         return cls(op, dtype, mode, traits)
 
     @classmethod
-    def make(cls, op: str, dtype: str, activation: str, mode: str, dropout: bool) -> EntryKey:
-        """The key of a calibrated family's entry, which has an activation and a dropout flag."""
-        return cls.of_fields(op, dtype, mode, {"activation": activation, "dropout": bool(dropout)})
+    def make(cls, op: str, dtype: str, variant: Optional[str], mode: str, dropout: bool) -> EntryKey:
+        """The key of a calibrated family's entry: ``variant`` the value of its op's variant trait (an
+        activation; ``OpSpec.variant``), ``dropout`` its family's flag (for an op with that trait)."""
+        name = ops.get(op).variant
+        return cls.of_fields(op, dtype, mode, {"dropout": bool(dropout), **({name: variant} if name else {})})
 
     @classmethod
     def of_entry(cls, e: Mapping[str, Any]) -> EntryKey:
@@ -56,6 +60,12 @@ class EntryKey(NamedTuple):
         dtype = str(call.dtype).removeprefix("torch.")
         return cls.of_fields(call.op, dtype, mode, dict(zip(call.traits, call.values)))
 
+    def call(self, shape: tuple[int, ...], device: torch.device = torch.device("cpu")) -> Call:
+        """A call this key answers, of decision shape ``shape`` (M first)."""
+        names, values = tuple(n for n, _ in self.traits), tuple(v for _, v in self.traits)
+        dtype, training = getattr(torch, self.dtype), self.mode == "training"
+        return Call(self.op, device, dtype, shape, training, names, values)
+
     @property
     def activation(self) -> Optional[str]:
         return dict(self.traits).get("activation")
@@ -63,6 +73,36 @@ class EntryKey(NamedTuple):
     @property
     def dropout(self) -> bool:
         return bool(dict(self.traits).get("dropout", False))
+
+    @property
+    def variant(self) -> Optional[str]:
+        """The value of the op's variant trait (``OpSpec.variant``), None for an op without one."""
+        name = ops.get(self.op).variant
+        return None if name is None else dict(self.traits).get(name)
+
+    @property
+    def label(self) -> str:
+        """'fused_linear float32 gelu training': the op, dtype, its traits' names and mode."""
+        return " ".join([self.op, self.dtype, *(v for _, v in self.traits if type(v) is str), self.mode])
+
+
+def variant_of(e: Mapping[str, Any]) -> Optional[str]:
+    """The value of an entry's variant trait (its activation), None for an op without one."""
+    name = ops.get(e["op"]).variant
+    return None if name is None else e.get(name)
+
+
+def key_fields(op: str, dtype: str, variant: Optional[str], mode: str, dropout: bool) -> dict[str, Any]:
+    """An entry's first fields, as the calibrator writes them: the op, dtype, its variant trait (an
+    activation), mode, and ``dropout`` where the op declares it or records it (``OpSpec.entry_extras``)."""
+    spec = ops.get(op)
+    fields: dict[str, Any] = {"op": op, "dtype": dtype}
+    if spec.variant is not None:
+        fields[spec.variant] = variant
+    fields["mode"] = mode
+    if "dropout" in (*spec.traits, *spec.entry_extras):
+        fields["dropout"] = bool(dropout)
+    return fields
 
 
 class EntryId(NamedTuple):
@@ -129,9 +169,9 @@ class EntryRecord(TypedDict, total=False):
     dtype: str  # a torch dtype's name
     activation: str  # the op's traits (``OpSpec.traits``) are fields: activation, dropout, its own
     mode: str  # "inference" or "training"
-    dropout: bool
+    dropout: bool  # where the op declares it, or records it (``OpSpec.entry_extras``)
     features: list[int]  # the decision shape after M: [N], [N, K]...
-    measured_as: str  # the activation whose timings it shares (its own where absent)
+    measured_as: str  # the variant (activation) whose timings it shares (its own where absent)
     measured_dtype: str  # the dtype whose timings it shares, where not its own
     parity_checked: bool
     max_m: int  # the largest measured M
@@ -209,7 +249,7 @@ class Entry:
     features: tuple[int, ...]  # the decision shape after M: (N,), (N, K)...
     segments: tuple[Segment, ...]
     starts: tuple[int, ...]  # m_from of each segment, for bisect
-    measured_as: str  # the activation whose timings this key shares
+    measured_as: Optional[str]  # the variant (activation) whose timings this key shares
     max_m: int  # largest measured M
     measured_dtype: Optional[str] = None  # the dtype whose timings this key shares, if not its own
 

@@ -145,22 +145,21 @@ class Table:
             notes = [f"{notes[0]}: {self.rule}"] + _clocks(seg, self.one_clock) + notes[1:]
         if m > entry.max_m:
             notes.append(f"M={m} beyond the largest measured M={entry.max_m}")
-        if entry.measured_as != call.activation or entry.measured_dtype:
-            shared = f" {entry.measured_dtype}" if entry.measured_dtype else ""
-            notes.append(f"timings shared with {entry.measured_as}{shared}")
+        if entry.measured_as != key.variant or entry.measured_dtype:
+            shared = " ".join(filter(None, (entry.measured_as, entry.measured_dtype)))
+            notes.append(f"timings shared with {shared}")
         if seg.runner_up:
             margin = f" by {seg.margin:+.0%}" if seg.margin is not None else ""
             notes.append(f"runner-up {seg.runner_up}{margin}")
         where = f"heuristics table {self.slug}{via} ({self.path})"
         gpu = seg.gpu_backend if seg.gpu_backend != seg.backend else None
-        what = " ".join([key.op, key.dtype, *(v for _, v in key.traits if type(v) is str), key.mode])
-        return Choice(seg.backend, f"{where}: {what}, {'; '.join(notes)}", gpu)
+        return Choice(seg.backend, f"{where}: {key.label}, {'; '.join(notes)}", gpu)
 
     def missing(self, call: Call, via: str = "") -> str:
         """Why the table has no cell for ``call`` (``choose`` gave None), for explain(): its calibration's
         budget stopped before the call's family, or the family was never asked for."""
         key = EntryKey.of_call(call)
-        what = f"{key.op} {key.dtype} {key.activation} {key.mode}{' dropout' if key.dropout else ''}"
+        what = f"{key.label}{' dropout' if key.dropout else ''}"
         where = f"heuristics table {self.slug}{via} ({self.path}) has no cell for {what}: not measured here"
         families = (self.data.get("settings") or {}).get("families") or {}
         family = f"{key.op} "

@@ -14,7 +14,7 @@ import torch
 
 from dispatch import ops
 from dispatch.heuristics.schema import (
-    CLOCKS, MAX_SIZE, MODES, SCHEMA_VERSIONS, Document, Entry, EntryKey, Segment, max_measured_m,
+    CLOCKS, MAX_SIZE, MODES, SCHEMA_VERSIONS, Document, Entry, EntryKey, Segment, max_measured_m, variant_of,
 )  # fmt: skip
 
 
@@ -160,9 +160,9 @@ def _scalar(v: Any, where: str) -> Any:
     return v
 
 
-# Every entry holds these two fields, whether its op declares them as traits or not: the calibrator
-# writes them and ``python -m dispatch.table`` reads them for every op. Any other trait an op declares
-# must be a string, number or boolean.
+# The types of these fields where an entry holds them: each trait its op declares (``OpSpec.traits``)
+# and each extra field it records (``OpSpec.entry_extras``). Any other trait must be a string, number
+# or boolean.
 _TRAITS = {"activation": _string, "dropout": _boolean}
 
 
@@ -173,7 +173,7 @@ def _key_fields(e: dict, where: str) -> tuple[EntryKey, tuple[int, ...]]:
     dtype = _get(e, "dtype", where, _dtype_name)
     mode = _get(e, "mode", where, _string, MODES)
     spec = ops.get(op)
-    for name in (*_TRAITS, *(t for t in spec.traits if t not in _TRAITS)):
+    for name in dict.fromkeys((*spec.traits, *spec.entry_extras)):
         _get(e, name, where, _TRAITS.get(name, _scalar))
     sizes = _get(e, "features", where, _array, spec.feature_dims)
     features = tuple(_integer(f, f"{where}.features[{i}]") for i, f in enumerate(sizes))
@@ -212,7 +212,7 @@ def _parse_entry(e: Any, where: str, version: int) -> tuple[EntryKey, Entry]:
     _object(e, where)
     key, features = _key_fields(e, where)
     # provenance, optional as hand-written tables leave it out: by default its own activation's timings
-    measured_as = _get(e, "measured_as", where, _string, optional=True) or e["activation"]
+    measured_as = _get(e, "measured_as", where, _string, optional=True) or variant_of(e)
     measured_dtype = _get(e, "measured_dtype", where, _dtype_name, optional=True) if version >= 2 else None
     _get(e, "parity_checked", where, _boolean, optional=True)
     raw = _get(e, "segments", where, _array)

@@ -228,6 +228,7 @@ class FusedLinearSpec(OpSpec):
     public_name = "fused_linear"
     dims = ("M", "N", "K")
     traits = TRAITS
+    entry_extras = ("dropout",)  # false in every entry: tables held it before ops declared traits
     activations = ACTIVATION_NAMES
     grid = Grid(
         features=(
