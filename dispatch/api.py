@@ -50,17 +50,23 @@ ops.install(_Dispatcher())
 
 
 def explain(op_name: str, *args: Any, **kwargs: Any) -> Decision:
-    """Which backend the op ``op_name`` (its public name, e.g. ``"fused_linear"``, or its table name)
-    would use for these arguments, by which rule, and why each other backend was rejected. Print it."""
+    """Which backend the op ``op_name`` (a public function's name, e.g. ``"fused_linear"``, whose
+    arguments follow, or the op's table name) would use for these arguments, by which rule, and why each
+    other backend was rejected. Print it."""
     backend = check_backend(kwargs.pop("backend", None))
-    return select.explain_call(_spec(op_name).parse(*args, **kwargs).call, backend)
+    spec, public = _spec(op_name)
+    return select.explain_call(spec.parse_for(public, *args, **kwargs).call, backend)
 
 
-def _spec(op_name: object) -> OpSpec:
+def _spec(op_name: object) -> tuple[OpSpec, str]:
+    """The op ``op_name`` names and the public function whose arguments follow (its first for a table
+    name)."""
     for spec in ops.all_specs():
-        if op_name in (spec.name, spec.public_name):
-            return spec
-    names = ", ".join(repr(s.public_name) for s in ops.all_specs())
+        if op_name in spec.public_names:
+            return spec, op_name  # type: ignore[return-value]
+        if op_name == spec.name:
+            return spec, spec.public_name
+    names = ", ".join(map(repr, ops.public_names()))
     raise ValueError(f"op_name must be one of {names}; got {op_name!r}")
 
 
@@ -73,10 +79,10 @@ def op_function(name: str, namespace: dict[str, Any]) -> Callable[..., Tensor]:
     """The public function ``name`` of an op, for a module's ``__getattr__`` (``namespace``: its
     globals); an AttributeError for any other name. The package's own ops' are kept in the namespace
     once found, so that the next lookup is a plain one."""
-    spec = next((s for s in ops.all_specs() if s.public_name == name), None)
+    spec = next((s for s in ops.all_specs() if name in s.public_names), None)
     if spec is None:
         raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
-    function = spec.function()
+    function = spec.function(name)
     if spec.name in ops.builtin():
         namespace[name] = function
     return function

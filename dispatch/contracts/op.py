@@ -106,7 +106,7 @@ class OpSpec:
     makes an instance known to the dispatcher, the calibrator and the tables."""
 
     name: str  # the op's name in tables, backends and explain()
-    public_name: str  # the public function's name
+    public_name: str  # the public function's name (the first, where the op has several)
     dims: tuple[str, ...]  # the decision shape's dims, M first: ("M", "N") or ("M", "N", "K")
     # What a call holds past its sizes, dtype and mode, which its decision and table entries key on
     # (a table entry's field each): "activation", "dropout" (p > 0 in training) or the op's own.
@@ -116,6 +116,12 @@ class OpSpec:
     entry_extras: tuple[str, ...] = ()
     activations: tuple[str, ...] = ()  # the activations calls take (the calibrator's classes)
     grid: Grid
+
+    @property
+    def public_names(self) -> tuple[str, ...]:
+        """The op's public functions' names: ``public_name``; an op with several lists them here (each a
+        function of that name in its spec's module, its arguments checked by ``parse_for``)."""
+        return (self.public_name,)
 
     @property
     def feature_dims(self) -> int:
@@ -150,13 +156,18 @@ class OpSpec:
         values = tuple(traits[t] for t in self.traits)
         return Call(self.name, device, dtype, shape, training, self.traits, values)
 
-    def function(self) -> Callable[..., Tensor]:
-        """The public function: the one named ``public_name`` in the spec's module."""
-        return getattr(sys.modules[type(self).__module__], self.public_name)
+    def function(self, public_name: Optional[str] = None) -> Callable[..., Any]:
+        """The public function named ``public_name`` (default the first) in the spec's module."""
+        return getattr(sys.modules[type(self).__module__], public_name or self.public_name)
 
     def parse(self, *args: Any, **kwargs: Any) -> OpCall:
         """The checked call: raises a clear error naming the first bad argument."""
         raise NotImplementedError
+
+    def parse_for(self, public_name: str, *args: Any, **kwargs: Any) -> OpCall:
+        """The checked call of the public function ``public_name``, on its arguments: ``parse`` where the
+        op has one public function."""
+        return self.parse(*args, **kwargs)
 
     def runner(self, kernels: Any, call: Call) -> Callable[[OpCall], Tensor]:
         """How calls like ``call`` run on ``kernels`` (resolved once per decision)."""

@@ -77,8 +77,9 @@ def all_specs() -> list[OpSpec]:
 
 
 def public_names() -> list[str]:
-    """The ops' public functions' names (``fused_linear``...), in ``names()``' order."""
-    return [spec.public_name for spec in all_specs()]
+    """The ops' public functions' names (``fused_linear``...), in ``names()``' order (an op with several
+    public functions gives each, ``OpSpec.public_names``)."""
+    return [name for spec in all_specs() for name in spec.public_names]
 
 
 class KernelFiles(Mapping[str, Kernels]):
