@@ -24,30 +24,41 @@ from dispatch.contracts.op import compute_dtype, differentiable_grads
 class Calling:
     """How an op's kernels take its operands (their signatures are the op's, in its spec file): their
     arguments are the op's ``tensors`` differentiable inputs (None where absent), then its settings
-    (activation, p, the spec's rngs...), unless ``flat`` says otherwise."""
+    (activation, p, the spec's rngs...), unless ``flat`` says otherwise. The op returns ``outputs``
+    tensors (y, or y and more: a tuple), each of which may carry a gradient."""
 
     tensors: int
-    # (kernels, grad_y, tensors, saved, settings, needs) -> a gradient per tensor (None where not needed)
-    backward: Callable[[Kernels, Tensor, tuple, tuple, tuple, tuple], tuple]
-    differentiable: Callable[[tuple, tuple], Tensor]  # the reference, for a backward building a graph
-    saves: bool = True  # the kernels' forward returns (y, *saved); False: y alone
+    # (kernels, grad_y, tensors, saved, settings, needs) -> a gradient per tensor (None where not needed);
+    # grad_y a tuple of one gradient per output (None where unused) for an op of several outputs
+    backward: Callable[[Kernels, Any, tuple, tuple, tuple, tuple], tuple]
+    # the reference, for a backward building a graph: differentiated in the kept tensors
+    differentiable: Optional[Callable[[tuple, tuple], Tensor]] = None
+    saves: bool = True  # the kernels' forward returns (*outputs, *saved); False: the outputs alone
     # Kernels whose arguments are not (*tensors, *settings), as fused_mlp's (operands, rngs): their
     # arguments as those, and forward on them -> (y, *saved).
     flat: Optional[Callable[[tuple], tuple]] = None
     forward: Optional[Callable[[Kernels, tuple], tuple]] = None
+    outputs: int = 1
+    # Which tensors the autograd node keeps for backward (None: all): one its backward does not read is
+    # let go (it reaches backward as None). A backward building a graph then runs
+    # ``differentiable_backward`` (the same signature as ``backward``, in differentiable torch ops on
+    # what was kept) instead of differentiating ``differentiable``.
+    kept: Optional[tuple[bool, ...]] = None
+    differentiable_backward: Optional[Callable[[Any, tuple, tuple, tuple, tuple], tuple]] = None
 
 
 class KernelsFunction(torch.autograd.Function):
     """A backend's forward and backward as one autograd node, ``apply((calling, kernels), *args)`` on
-    the kernels' own arguments: the tensors are saved for backward, the settings ride along (a dropout
-    mask is regenerated from its rng in backward, never saved). A backward that builds a graph
-    (create_graph=True) differentiates the reference on the same settings instead: the kernels'
-    numbers carry no graph, and would drop second-order terms."""
+    the kernels' own arguments: the tensors are saved for backward (those ``Calling.kept`` names), the
+    settings ride along (a dropout mask is regenerated from its rng in backward, never saved). A backward
+    that builds a graph (create_graph=True) differentiates the reference on the same settings instead:
+    the kernels' numbers carry no graph, and would drop second-order terms. An op of several outputs
+    returns them as a tuple; an output no one used gets no gradient (None, not zeros)."""
 
     @staticmethod
-    def forward(ctx: Any, state: tuple[Calling, Kernels], *args: Any) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, state: tuple[Calling, Kernels], *args: Any) -> Any:  # type: ignore[override]
         calling, kernels = state
-        count = calling.tensors
+        count, outputs = calling.tensors, calling.outputs
         ctx.state, ctx.settings = state, args[count:]
         if calling.forward is not None:
             out = calling.forward(kernels, args)
@@ -56,28 +67,41 @@ class KernelsFunction(torch.autograd.Function):
             return kernels.forward(*args)
         else:
             out = kernels.forward(*args)
-        ctx.save_for_backward(*args[:count], *out[1:])
-        return out[0]
+        tensors = args[:count]
+        if calling.kept is not None:
+            ctx.present = tuple(t is not None for t in tensors)
+            tensors = tuple(t if keep else None for t, keep in zip(tensors, calling.kept))
+        ctx.save_for_backward(*tensors, *out[outputs:])
+        if outputs == 1:
+            return out[0]
+        ctx.set_materialize_grads(False)
+        return tuple(out[:outputs])
 
     @staticmethod
-    def backward(ctx: Any, grad_y: Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor) -> tuple:  # type: ignore[override]
         (calling, kernels), settings, count = ctx.state, ctx.settings, ctx.state[0].tensors
+        grad_y = grads[0] if calling.outputs == 1 else grads
         kept = ctx.saved_tensors
         tensors, saved = kept[:count], kept[count:]
-        needs = tuple(need and t is not None for need, t in zip(ctx.needs_input_grad[1:], tensors))
-        if torch.is_grad_enabled():
+        present = ctx.present if calling.kept is not None else tuple(t is not None for t in tensors)
+        needs = tuple(need and p for need, p in zip(ctx.needs_input_grad[1:], present))
+        if torch.is_grad_enabled() and calling.differentiable_backward is not None:
+            grads_in = calling.differentiable_backward(grad_y, tensors, saved, settings, needs)
+        elif torch.is_grad_enabled():
             dtype = compute_dtype(tensors[0].dtype)
+            differentiable = calling.differentiable
+            assert differentiable is not None, "an op keeping every tensor gives its reference"
 
             def make_y() -> Tensor:
                 cast = tuple(None if t is None else t.to(dtype) for t in tensors)
-                return calling.differentiable(cast, settings)
+                return differentiable(cast, settings)
 
-            grads = differentiable_grads(make_y, tensors, needs, grad_y)
+            grads_in = differentiable_grads(make_y, tensors, needs, grad_y)
         elif any(needs):
-            grads = calling.backward(kernels, grad_y, tensors, saved, settings, needs)
+            grads_in = calling.backward(kernels, grad_y, tensors, saved, settings, needs)
         else:
-            grads = (None,) * count
-        return (None, *grads, *(None,) * len(settings))
+            grads_in = (None,) * count
+        return (None, *grads_in, *(None,) * len(settings))
 
 
 def runner(
@@ -91,13 +115,17 @@ def runner(
     if not call.training:
         run = kernels.inference
     elif kernels.autograd(call.activation):
-        run = _y_of(kernels.forward) if calling.saves else kernels.forward
+        run = _y_of(kernels.forward, calling.outputs) if calling.saves else kernels.forward
     else:
         run = _through_function(calling, kernels)
     return bind(run, kernels, kernels.masks == "spec" and call.dropout)
 
 
-def _y_of(forward: Callable[..., tuple]) -> Callable[..., Tensor]:
+def _y_of(forward: Callable[..., tuple], outputs: int) -> Callable[..., Any]:
+    """A forward's outputs without what it saves for backward: y, or a tuple of ``outputs``."""
+    if outputs > 1:
+        return lambda *args: tuple(forward(*args)[:outputs])
+
     def run(*args: Any) -> Tensor:
         return forward(*args)[0]
 
@@ -115,7 +143,9 @@ def _through_function(calling: Calling, kernels: Kernels) -> Callable[..., Tenso
     return run_flat
 
 
-def custom_op(name: str, fake: Callable, backward: Callable, tensors: int) -> Callable[[Callable], Any]:
+def custom_op(
+    name: str, fake: Callable, backward: Callable, tensors: int, outputs: int = 1
+) -> Callable[[Callable], Any]:  # fmt: skip
     """Decorates ``forward``: the torch.library op ``fusedispatch::<name>`` a compiled graph keeps, with
     torch's autograd over its backward op ``fusedispatch::<name>_backward``. Typed functions (torch
     reads the schemas off their annotations):
@@ -125,18 +155,21 @@ def custom_op(name: str, fake: Callable, backward: Callable, tensors: int) -> Ca
         backward(grad_y, *tensors, *settings, backend, *saved, needs: list[bool]) -> list[Tensor]
 
     ``tensors`` counts the op's differentiable inputs, which lead its arguments; backward returns
-    their gradients, an empty tensor for each one ``needs`` does not ask for."""
-    return lambda forward: _register(name, forward, fake, backward, tensors)
+    their gradients, an empty tensor for each one ``needs`` does not ask for. An op of several
+    ``outputs`` returns (*outputs, *saved) and its backward takes a gradient for each output first
+    (zeros for one unused); ``saved`` is everything forward returned past y, its other outputs too."""
+    return lambda forward: _register(name, forward, fake, backward, tensors, outputs)
 
 
-def _register(name: str, forward: Callable, fake: Callable, backward: Callable, tensors: int) -> Any:
+def _register(name: str, forward: Callable, fake: Callable, backward: Callable, tensors: int,
+              outputs: int) -> Any:  # fmt: skip
     op = torch.library.custom_op(f"fusedispatch::{name}", forward, mutates_args=())
     op.register_fake(fake)
     grads = torch.library.custom_op(f"fusedispatch::{name}_backward", backward, mutates_args=())
 
     @grads.register_fake
     def _(grad_y: Tensor, *args: Any) -> list[Tensor]:
-        needs = args[-1]  # a flag per tensor: zip stops past the tensors
+        needs, args = args[-1], args[outputs - 1 :]  # a flag per tensor: zip stops past the tensors
         return [t.new_empty(t.shape) if need else grad_y.new_empty((0,)) for t, need in zip(args, needs)]
 
     def setup(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -146,7 +179,7 @@ def _register(name: str, forward: Callable, fake: Callable, backward: Callable, 
         ctx.held, ctx.values, ctx.n_saved = held, [v for v, h in zip(inputs, held) if not h], len(saved)
         ctx.save_for_backward(*saved, *(v for v, h in zip(inputs, held) if h))
 
-    def backward_of(ctx: Any, grad_y: Tensor, *_grad_saved: Tensor) -> tuple:
+    def backward_of(ctx: Any, *grad_outs: Tensor) -> tuple:
         kept = ctx.saved_tensors
         saved, held, values = kept[: ctx.n_saved], iter(kept[ctx.n_saved :]), iter(ctx.values)
         inputs = [next(held) if h else next(values) for h in ctx.held]
@@ -154,7 +187,7 @@ def _register(name: str, forward: Callable, fake: Callable, backward: Callable, 
         rest = (None,) * (len(inputs) + 1 - tensors)  # the settings, backend and training
         if not any(needs):
             return (None,) * tensors + rest
-        found = grads(grad_y, *inputs, *saved, needs)
+        found = grads(*grad_outs[:outputs], *inputs, *saved, needs)
         return (*(g if need else None for g, need in zip(found, needs)), *rest)
 
     op.register_autograd(backward_of, setup_context=setup)
