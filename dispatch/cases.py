@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dispatch import ops, registry, timing
 from dispatch.contracts import tolerances
-from dispatch.contracts.op import P_DROPOUT, Case, Inputs
+from dispatch.contracts.op import P_DROPOUT, Case, Inputs, outputs_of
 
 __all__ = [
     "P_DROPOUT", "Case", "Inputs", "Check", "Gate", "case", "make_inputs", "run_once", "reference", "check",
@@ -49,26 +49,26 @@ def leaf_tensors(case: Case, inp: Inputs, dtype: Optional[torch.dtype] = None) -
 
 
 def run_once(name: Optional[str], case: Case, inp: Inputs) -> list[Tensor]:
-    """[y] in inference, [y, *grads] in training (the same dropout mask every time for spec masks);
-    ``name`` None runs the baseline composite."""
+    """[y] in inference, [y, *grads] in training (the same dropout mask every time for spec masks), y
+    the op's outputs (one, or more: ``Grid.outputs``); ``name`` None runs the baseline composite."""
     leaves = leaf_tensors(case, inp)
     with torch.set_grad_enabled(case.training):
-        y = ops.get(case.op).run_case(case, leaves, name, inp.seed)
+        outs = outputs_of(ops.get(case.op).run_case(case, leaves, name, inp.seed))
     if not case.training:
-        return [y]
-    y.backward(inp.grad_y)
-    return [y.detach(), *(t.grad for t in leaves)]
+        return list(outs)
+    torch.autograd.backward(outs, inp.grads)
+    return [*(y.detach() for y in outs), *(t.grad for t in leaves)]
 
 
 def reference(case: Case, inp: Inputs, torch_masks: bool = False) -> list[Tensor]:
     """The float64 reference of run_once's outputs, with torch's masks replayed for ``torch_masks``."""
     leaves = leaf_tensors(case, inp, torch.float64)
     with torch.set_grad_enabled(case.training):
-        y = ops.get(case.op).reference_case(case, leaves, inp.seed, torch_masks)
+        outs = outputs_of(ops.get(case.op).reference_case(case, leaves, inp.seed, torch_masks))
     if not case.training:
-        return [y]
-    y.backward(inp.grad_y.double())
-    return [y.detach(), *(t.grad for t in leaves)]
+        return list(outs)
+    torch.autograd.backward(outs, tuple(g.double() for g in inp.grads))
+    return [*(y.detach() for y in outs), *(t.grad for t in leaves)]
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from torch import Tensor
 from dispatch import ops, timing
 from dispatch.calibrate.plan import BASELINE
 from dispatch.cases import Case, Inputs, leaf_tensors, make_inputs
+from dispatch.contracts.op import outputs_of
 from dispatch.heuristics.schema import Point
 
 SLOW_MS = timing.SLOW_MS  # 5 ms
@@ -83,7 +84,7 @@ def timer(name: str, case: Case, inp: Inputs, chain: int = 1) -> Timer:
     chain = chain if cuda else 1
 
     def step() -> None:
-        torch.autograd.backward([forward() for _ in range(chain)], [inp.grad_y] * chain)
+        torch.autograd.backward([y for _ in range(chain) for y in outputs_of(forward())], inp.grads * chain)
 
     longer = (lambda: timer(name, case, inp, TRAIN_CHAIN)) if cuda and chain == 1 else None
     return Timer(step, leaves, chain, name, case, longer)

@@ -76,12 +76,22 @@ class Case:
 
 @dataclass
 class Inputs:
-    """A case's random inputs: the op's tensors in argument order, the upstream gradient and the
-    seed of the dropout generator."""
+    """A case's random inputs: the op's tensors in argument order, the upstream gradient (a tuple of
+    one per output for an op of several) and the seed of the dropout generator."""
 
     tensors: list[Tensor]
-    grad_y: Tensor
+    grad_y: Tensor | tuple[Tensor, ...]
     seed: int
+
+    @property
+    def grads(self) -> tuple[Tensor, ...]:
+        """The upstream gradients, one per output."""
+        return self.grad_y if isinstance(self.grad_y, tuple) else (self.grad_y,)
+
+
+def outputs_of(out: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """An op's result as a tuple of its outputs (y alone, or y and the others)."""
+    return out if isinstance(out, tuple) else (out,)
 
 
 @dataclass(frozen=True)
@@ -98,7 +108,8 @@ class Grid:
     # parity's shapes (M, *features) by device type, the first for --quick; odd sizes catch masking
     # bugs at block edges, CPU ones stay small for Triton's interpreter
     parity: dict[str, tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)
-    outputs: tuple[str, ...] = ("y",)  # what a training run returns: y, then each input's gradient
+    # what a training run returns: the op's outputs (y, ...), then each input's gradient ("grad_...")
+    outputs: tuple[str, ...] = ("y",)
 
 
 class OpSpec:
@@ -196,7 +207,7 @@ class OpSpec:
 
     def run_case(
         self, case: Case, leaves: Sequence[Tensor], backend: Optional[str], seed: Optional[int]
-    ) -> Tensor:
+    ) -> Tensor | tuple[Tensor, ...]:
         """The op on ``leaves`` through its public function (``backend=None``: the baseline composite),
         dropout from a generator seeded by ``seed`` (a parity run), or the default one (``seed`` None: a
         timed run, which a CUDA graph can capture; a generator built inside a capture cannot be)."""
@@ -204,7 +215,7 @@ class OpSpec:
 
     def reference_case(
         self, case: Case, leaves: Sequence[Tensor], seed: int, torch_masks: bool = False
-    ) -> Tensor:
+    ) -> Tensor | tuple[Tensor, ...]:
         """The reference on ``leaves`` with the mask the case's run drew from its seeded generator: the
         spec's, or with ``torch_masks`` torch's (replayed by ``torch_keep``)."""
         raise NotImplementedError
