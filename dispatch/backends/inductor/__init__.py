@@ -1,14 +1,14 @@
 """inductor: ``torch.compile`` (fullgraph, inductor) of the eager forward and backward functions.
 
-Supports: bias_act_dropout, fused_linear and fused_mlp, forward and backward, compiled separately
-(dropout masks are regenerated in backward from the traced ``dispatch.contracts.rng`` int64 ops,
-identical to eager's); cpu (C++ kernels, needs a C++ compiler) and cuda (Triton kernels, compute
-capability >= 7.0); float16, bfloat16, float32; every activation, and fused_mlp's gates. The token
-dimension is dynamic: one compile per kind of call (op, direction, activation, p, dtype, feature
-sizes, which gradients), not per token count. On a 2-core CPU a compile takes ~5 s, ~30 s with
-dropout (inductor's analysis of the Philox int64 ops), plus ~25 s once per process. Not declared
-deterministic: Triton reduction kernels (grad_bias) are autotuned on first run, and the winning
-configuration, hence the summation order, can differ between processes.
+Supports: every op with a file here, ``<op>.py`` (``BACKEND.kernels``; ``python -m dispatch.info``
+lists them), forward and backward, compiled separately (dropout masks are regenerated in backward from
+the traced ``dispatch.contracts.rng`` int64 ops, identical to eager's); cpu (C++ kernels, needs a C++
+compiler) and cuda (Triton kernels, compute capability >= 7.0); float16, bfloat16, float32; every
+activation, and fused_mlp's gates. The token dimension is dynamic: one compile per kind of call (op,
+direction, activation, p, dtype, feature sizes, which gradients), not per token count. On a 2-core CPU
+a compile takes ~5 s, ~30 s with dropout (inductor's analysis of the Philox int64 ops), plus ~25 s
+once per process. Not declared deterministic: Triton reduction kernels (grad_bias) are autotuned on
+first run, and the winning configuration, hence the summation order, can differ between processes.
 """
 
 from __future__ import annotations

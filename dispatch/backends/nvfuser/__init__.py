@@ -6,9 +6,10 @@ on CUDA, and nothing on CPU unless NNC's CPU fusion is switched on (it is off by
 reports the configured fuser, then the fusion groups actually found in the graphs that ran, e.g.
 ``nvfuser (functorch+TorchScript, fuser: NNC (fused 4 of 4 graphs) on cuda, none on cpu)``.
 
-Supports: bias_act_dropout and fused_linear, forward and backward, as the eager functions compiled
-separately (the dropout mask is regenerated in backward from the traced ``dispatch.contracts.rng`` int64 ops,
-identical to eager's); cpu and cuda; float16, bfloat16, float32; every activation; deterministic.
+Supports: every op with a file here, ``<op>.py`` (bias_act_dropout and fused_linear), forward and
+backward, as the eager functions compiled separately (the dropout mask is regenerated in backward from
+the traced ``dispatch.contracts.rng`` int64 ops, identical to eager's); cpu and cuda; float16,
+bfloat16, float32; every activation; deterministic.
 Each call signature (shapes, strides, dtypes, activation, p, which gradients) compiles once: about
 0.3 s, 2-3 s with dropout (tracing the Philox rounds), on a 2-core CPU; the last
 ``compiler.CACHE_LIMIT`` compiled functions are kept.

@@ -1,17 +1,17 @@
 """triton: our hand-written Triton kernels.
 
-Supports: bias_act_dropout, fused_linear and fused_mlp, forward and backward; CUDA devices of
-compute capability >= 8.0 (bf16); float16, bfloat16, float32; every activation, and fused_mlp's gated
-ones; deterministic (no float atomics: reductions finish in a fixed order). On CPU it runs only
-through Triton's interpreter (``TRITON_INTERPRET=1``), for tests, and only when asked for by name: the
-dispatcher never picks the interpreter on its own.
+Supports: every op with a file here, ``<op>.py`` (``BACKEND.kernels``; ``python -m dispatch.info``
+lists them), forward and backward; CUDA devices of compute capability >= 8.0 (bf16); float16,
+bfloat16, float32; every activation, and fused_mlp's gated ones; deterministic (no float atomics:
+reductions finish in a fixed order). On CPU it runs only through Triton's interpreter
+(``TRITON_INTERPRET=1``), for tests, and only when asked for by name: the dispatcher never picks the
+interpreter on its own.
 
-Files, by role: ``bias_act_dropout.py`` (kernels, launch settings, launchers), ``fused_linear.py``
-(training on cuBLAS products, relu in cuBLASLt's epilogue, and bias_act_dropout's passes, inference
-on the matmul of ``matmul.py``: its kernels, tile configs and ``launch``; a column-sum pass for
-identity's grad_b) and ``fused_mlp.py`` (cuBLAS products around the hidden layer's passes of
-``mlp_hidden.py`` and bias_act_dropout's, or in its "epilogues" variant the products that carry that work
-on ``mlp_gemm.py``'s persistent GEMMs) serve one op each; ``activations.py`` (the activation table) and
+Files, by role: each ``<op>.py`` serves one op, its kernels, launch settings and launchers (its
+docstring says how), with the files it splits off: ``fused_linear.py`` infers on the matmul of
+``matmul.py`` (its kernels, tile configs and ``launch``), ``fused_mlp.py`` runs the hidden layer's
+passes of ``mlp_hidden.py`` or, in its "epilogues" variant, ``mlp_gemm.py``'s persistent GEMMs, and an
+``<op>_kernels.py`` holds an op's jitted kernels; ``activations.py`` (the activation table) and
 ``philox.py`` (the dropout RNG spec) are the jitted helpers the kernels share; ``launch.py`` caches
 compiled kernels for cheap launches.
 """
