@@ -12,15 +12,16 @@ Inputs: hidden widths N of LLaMA-2-7B (4096), Qwen2-0.5B / 1.5B (896, 1536) and 
                math, normalized cast to x's dtype before the weight); LayerNorm: F.layer_norm
   F.rms_norm   h = x + r, then torch.nn.functional.rms_norm (where this torch has it)
   compile      torch.compile(dynamic=True) of the pytorch entry
-  triton       dispatch.backends.triton.add_norm: one kernel each way, dw reduced from per-program rows
+  triton       fused_add_rms_norm / fused_add_layer_norm with backend="triton" (the kernels of
+               dispatch.backends.triton.add_norm): one kernel each way, dw reduced from per-program rows
   liger        Liger-Kernel's LigerFusedAddRMSNormFunction (fused add + norm, casting_mode "llama")
   liger_rms    h = x + r, then Liger's LigerRMSNormFunction, where liger_kernel imports
   copy         dst.copy_(x): the bandwidth ceiling
 Minimum bytes (s = itemsize): forward 4MNs (read x and r, write y and h), backward 4MNs (read dy, dh
 and h, write dx), forward+backward 8MNs. Per entry: GPU time (do_bench_cudagraph) and wall time
 (do_bench; perf_counter on the CPU), GB/s and % of the copy's, speedups vs pytorch and compile. Every
-entry is checked before timing against a float32 reference (y, h and every gradient), allowed twice
-the pytorch entry's error plus the dtype's tolerance (dispatch.contracts.tolerances).
+entry is checked before timing against the op's reference in float32 (y, h and every gradient),
+allowed twice the pytorch entry's error plus the dtype's tolerance (dispatch.contracts.tolerances).
 """
 
 from __future__ import annotations
@@ -35,14 +36,14 @@ import report
 import torch
 import torch.nn.functional as F
 
-from dispatch import timing
+from dispatch import fused_add_layer_norm, fused_add_rms_norm, timing
+from dispatch.ops.add_norm import EPS, baseline, reference
 
 NS = (4096, 896, 1536, 2048, 3072)
 MS = (16384, 4096, 1024)
 QUICK = ((4096, 4096), (16384, 896))
 SMOKE = ((64, 96), (16, 257))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-EPS = {"rms": 1e-6, "layer": 1e-5}
 BUDGET_S = (600.0, 120.0)  # seconds until no new row starts: full run, --quick
 COPY_BYTES_PER_MS = 4.14e9  # H200 device copy, 4.14 TB/s (benchmarks/PERF.md)
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], tuple]
@@ -51,19 +52,12 @@ Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor
 # ----------------------------------------------------------------------------- entries
 
 
-def hf_rms_norm(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    hf = h.float()
-    return w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
-
-
 def pytorch(kind: str) -> Step:
+    """The op's baseline (``dispatch.ops.add_norm.baseline``): LlamaRMSNorm's torch ops, or F.layer_norm."""
     eps = EPS[kind]
 
     def step(x, r, w, b=None):
-        h = x + r
-        if kind == "rms":
-            return hf_rms_norm(h, w, eps), h
-        return F.layer_norm(h, h.shape[-1:], w, b, eps), h
+        return baseline(x, r, w, b, eps, kind)
 
     return step
 
@@ -85,9 +79,10 @@ def compiled(kind: str, backward_only: bool) -> Step:
 
 
 def triton_step(kind: str) -> Step:
-    from dispatch.backends.triton import add_norm
-
-    return lambda x, r, w, b=None: add_norm.AddNormFunction.apply(x, r, w, b, EPS[kind], kind, 0.0)
+    """The public op on the triton backend (the shared runner's autograd node over its kernels)."""
+    if kind == "rms":
+        return lambda x, r, w, b=None: fused_add_rms_norm(x, r, w, EPS[kind], backend="triton")
+    return lambda x, r, w, b=None: fused_add_layer_norm(x, r, w, b, EPS[kind], backend="triton")
 
 
 def liger_steps() -> tuple[dict[str, Step], str]:
@@ -159,7 +154,7 @@ def measure_row(m: int, n: int, dt: str, kind: str, mode: str, args, device) -> 
     dst = torch.empty_like(x)
     runs["copy"] = lambda: dst.copy_(x)
     wide = tuple(None if t is None else t.float() for t in tensors)
-    ref = results(pytorch(kind), mode, wide, tuple(g.float() for g in upstream))
+    ref = results(lambda *t: reference(*t, EPS[kind], kind), mode, wide, tuple(g.float() for g in upstream))
     base = results(fns["pytorch"], mode, tensors, upstream)
 
     def check(name: str) -> str:

@@ -1,8 +1,10 @@
-"""Triton fused add + RMSNorm / LayerNorm (``dispatch/backends/triton/add_norm.py``): y, h and the
-gradients of x, residual, weight and bias against a float64 reference, within flash-attention's rule
-against plain PyTorch in the same dtype (``dispatch.contracts.tolerances``); h bit for bit PyTorch's
-x + residual. Odd shapes, rows past MAX_BLOCK_N (the chunked kernels), strides, residual None, Gemma's
-offset, upstream gradients on y, h or both, NaN / inf rows, determinism and bad input.
+"""Triton fused add + RMSNorm / LayerNorm (``dispatch/backends/triton/add_norm.py``) through the public
+ops with ``backend="triton"``: y, h and the gradients of x, residual, weight and bias against the op's
+float64 reference (``dispatch.ops.add_norm.reference``), within flash-attention's rule against the
+reference in the same dtype (``dispatch.contracts.tolerances``); h bit for bit PyTorch's x + residual.
+Odd shapes, rows past MAX_BLOCK_N (the chunked kernels), strides, residual None, Gemma's offset,
+upstream gradients on y, h or both, NaN / inf rows, determinism and bad input. The helpers, shared with
+``test_add_norm.py``, are ``add_norm_checks.py``.
 
 On CPU the kernels run under Triton's interpreter: few rows, but both kernels' paths (one backward
 program writing dw itself, several writing partial rows) and the chunked ones.
@@ -10,13 +12,12 @@ program writing dw itself, several writing partial rows) and the chunked ones.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 import torch
-import torch.nn.functional as F
 
+from dispatch import fused_add_rms_norm
 from dispatch.contracts.tolerances import check
+from add_norm_checks import assert_matches, inputs, outputs_and_grads, public, references
 from harness import DTYPES
 
 triton_backend = pytest.importorskip("dispatch.backends.triton").BACKEND
@@ -28,72 +29,16 @@ from dispatch.backends.triton import add_norm  # noqa: E402
 WIDE_N = add_norm.MAX_BLOCK_N + 3  # the chunked kernels: two full chunks and three columns
 SHAPES = ((1, 1), (7, 3), (9, 41, 341), (5, 781))
 WIDE = ((2, 4097), (2, WIDE_N))  # the widest one-tile rows (BLOCK_N 8192) and the chunked kernels
-EPS = {"rms": 1e-6, "layer": 1e-5}
-NAMES = ("grad_x", "grad_residual", "grad_weight", "grad_bias")
 
 
-def inputs(shape, dtype, device, kind, residual=True):
-    """x, residual (or None), weight, bias (layer only) and upstream gradients for y and h, in dtype;
-    weight around 1, as trained norms are."""
-    n = shape[-1]
-    x = torch.randn(shape, device=device).to(dtype)
-    r = torch.randn(shape, device=device).mul_(2).to(dtype) if residual else None
-    w = torch.randn(n, device=device).mul_(0.3).add_(1).to(dtype)
-    b = torch.randn(n, device=device).to(dtype) if kind == "layer" else None
-    gy, gh = (torch.randn(shape, device=device).to(dtype) for _ in range(2))
-    return x, r, w, b, gy, gh
-
-
-def composite(x, residual, weight, bias, kind: str, offset: float = 0.0, round_to=None):
-    """(y, h) by plain PyTorch: h = x + residual, then F.rms_norm / F.layer_norm. round_to: h rounded to
-    that dtype (straight through for gradients), as the op defines h, for the float64 reference."""
-    h = x if residual is None else x + residual
-    if round_to is not None and residual is not None:
-        h = h + (h.to(round_to).to(h.dtype) - h).detach()
-    w = weight + offset if offset else weight
-    n = x.shape[-1]
-    if kind == "rms":
-        return F.rms_norm(h, (n,), w, EPS[kind]), h
-    return F.layer_norm(h, (n,), w, bias, EPS[kind]), h
-
-
-def fused(kind: str, offset: float = 0.0):
-    return lambda x, r, w, b: add_norm.AddNormFunction.apply(x, r, w, b, EPS[kind], kind, offset)
-
-
-def run(fn, tensors, upstream, dtype: Optional[torch.dtype] = None):
-    """y, h = fn(*leaves) and the gradients of the leaves (zeros where unused) for the upstream
-    gradients that are not None; leaves are fresh copies of ``tensors`` (in ``dtype`` if given)."""
-    leaves = [None if t is None else t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
-    y, h = fn(*leaves)
-    pairs = [(o, g.to(o.dtype)) for o, g in zip((y, h), upstream) if g is not None]
-    wanted = [t for t in leaves if t is not None]
-    outs, ups = [o for o, _ in pairs], [g for _, g in pairs]
-    found = iter(torch.autograd.grad(outs, wanted, ups, materialize_grads=True))
-    return y.detach(), h.detach(), [None if t is None else next(found) for t in leaves]
-
-
-def references(tensors, upstream, kind: str, offset: float = 0.0):
-    """(y, h, grads) of the float64 reference and of plain PyTorch in x's dtype."""
-    dtype = tensors[0].dtype
-    ref = run(lambda *t: composite(*t, kind, offset, round_to=dtype), tensors, upstream, torch.float64)
-    return ref, run(lambda *t: composite(*t, kind, offset), tensors, upstream)
-
-
-def assert_matches(x, r, w, b, gy, gh, kind: str, offset: float = 0.0):
-    """The triton op vs the float64 reference, within twice plain PyTorch's error in x's dtype."""
-    tensors, upstream = (x, r, w, b), (gy, gh)
-    y, h, grads = run(fused(kind, offset), tensors, upstream)
-    (ref_y, _, ref_grads), (base_y, _, base_grads) = references(tensors, upstream, kind, offset)
-    assert y.dtype == h.dtype == x.dtype and y.shape == h.shape == x.shape
+def assert_triton(tensors, upstream, kind: str, offset: float = 0.0) -> None:
+    """The triton op against the float64 reference (``add_norm_checks.assert_matches``); h is PyTorch's
+    sum, and x and residual get one gradient."""
+    x, r = tensors[:2]
+    y, h, gx, gr, *_ = assert_matches("triton", kind, tensors, upstream, offset)
     assert_same_sum(h, x, r)
-    check("y", y, ref_y, base_y)
-    for name, g, ref, base, t in zip(NAMES, grads, ref_grads, base_grads, tensors):
-        if t is not None:
-            assert g.dtype == t.dtype and g.shape == t.shape, name
-            check(name, g, ref, base)
     if r is not None:
-        assert torch.equal(grads[0], grads[1])
+        assert torch.equal(gx, gr)
 
 
 def assert_same_sum(h, x, r) -> None:
@@ -114,16 +59,15 @@ def assert_same_sum(h, x, r) -> None:
 @pytest.mark.parametrize("kind", add_norm.KINDS)
 def test_matches_reference(kind, dtype, device):
     for shape in SHAPES:
-        assert_matches(*inputs(shape, dtype, device, kind), kind)
+        assert_triton(*inputs(shape, dtype, device, kind), kind)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("kind", add_norm.KINDS)
 def test_wide_rows(kind, dtype, device):
     for shape in WIDE:
-        assert_matches(*inputs(shape, dtype, device, kind), kind)
-    x, _, w, b, gy, gh = inputs(WIDE[-1], dtype, device, kind, residual=False)
-    assert_matches(x, None, w, b, gy, gh, kind)
+        assert_triton(*inputs(shape, dtype, device, kind), kind)
+    assert_triton(*inputs(WIDE[-1], dtype, device, kind, residual=False), kind)
 
 
 @pytest.mark.parametrize("upstream", ["y", "h"])
@@ -131,8 +75,8 @@ def test_wide_rows(kind, dtype, device):
 def test_one_output_used(kind, upstream, device):
     """dh_out None (only y feeds on) or dy None (only h does: dx = dh_out, dw = 0)."""
     for shape, dtype in (((9, 41, 341), torch.float32), ((5, 781), torch.bfloat16)):
-        x, r, w, b, gy, gh = inputs(shape, dtype, device, kind)
-        assert_matches(x, r, w, b, gy if upstream == "y" else None, gh if upstream == "h" else None, kind)
+        tensors, (gy, gh) = inputs(shape, dtype, device, kind)
+        assert_triton(tensors, (gy if upstream == "y" else None, gh if upstream == "h" else None), kind)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=lambda d: str(d)[6:])
@@ -140,10 +84,10 @@ def test_one_output_used(kind, upstream, device):
 def test_residual_none(kind, dtype, device):
     """Plain RMSNorm / LayerNorm: h is x itself, its upstream gradient added to grad_x."""
     for shape in ((7, 3), (9, 41, 341)):
-        x, _, w, b, gy, gh = inputs(shape, dtype, device, kind, residual=False)
-        assert_matches(x, None, w, b, gy, gh, kind)
-    y, h = add_norm.fused_add_rms_norm(x, None, w)
-    assert h.data_ptr() == x.data_ptr()
+        tensors, upstream = inputs(shape, dtype, device, kind, residual=False)
+        assert_triton(tensors, upstream, kind)
+    y, h = public(kind, "triton")(*tensors)
+    assert h.data_ptr() == tensors[0].data_ptr()
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=lambda d: str(d)[6:])
@@ -151,8 +95,7 @@ def test_residual_none(kind, dtype, device):
 def test_offset(kind, dtype, device):
     """Gemma's RMSNorm multiplies by (1 + w): offset=1.0, weight around 0."""
     for shape in ((7, 3), (9, 41, 341), (2, WIDE_N)):
-        x, r, w, b, gy, gh = inputs(shape, dtype, device, kind)
-        assert_matches(x, r, (w.float() - 1).to(dtype), b, gy, gh, kind, offset=1.0)
+        assert_triton(*inputs(shape, dtype, device, kind, offset=1.0), kind, offset=1.0)
 
 
 @pytest.mark.parametrize("kind", add_norm.KINDS)
@@ -165,9 +108,9 @@ def test_strides(kind, device):
     b = torch.randn(n, device=device) if kind == "layer" else None
     gy = torch.randn(n, m, device=device).t()  # column stride m
     gh = torch.randn(n, device=device).expand(m, n)
-    assert_matches(x, r, w, b, gy, gh, kind)
-    assert_matches(torch.randn(n, m, device=device).t(), torch.randn(m, 2 * n, device=device)[:, ::2],
-                   w, b, gy.contiguous(), gh.contiguous(), kind)  # fmt: skip
+    assert_triton((x, r, w, b), (gy, gh), kind)
+    assert_triton((torch.randn(n, m, device=device).t(), torch.randn(m, 2 * n, device=device)[:, ::2], w, b),
+                  (gy.contiguous(), gh.contiguous()), kind)  # fmt: skip
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy
@@ -176,20 +119,15 @@ def test_nonfinite_rows_stay_in_their_rows(kind, device):
     """NaN in x and inf in residual spoil y and grad_x in their own rows only (dw and db sum over every
     row: non-finite, as PyTorch's)."""
     for shape in ((6, 37), (3, WIDE_N)):
-        x, r, w, b, gy, gh = inputs(shape, torch.float32, device, kind)
+        (x, r, w, b), (gy, gh) = inputs(shape, torch.float32, device, kind)
         x[1, 3] = float("nan")
         r[2, 0] = float("inf")
-        y, _, grads = run(fused(kind), (x, r, w, b), (gy, gh))
+        got = outputs_and_grads(public(kind, "triton"), (x, r, w, b), (gy, gh))
         bad, good = [1, 2], [0] + list(range(3, shape[0]))
-        (ref_y, _, ref_grads), (base_y, _, base_grads) = references(
-            (x[good], r[good], w, b), (gy[good], gh[good]), kind
-        )
-        for name, out, ref, base in (
-            ("y", y, ref_y, base_y),
-            ("grad_x", grads[0], ref_grads[0], base_grads[0]),
-        ):
-            assert not out[bad].isfinite().all(dim=1).any(), name
-            check(name, out[good], ref, base)
+        ref, base = references(kind, (x[good], r[good], w, b), (gy[good], gh[good]))
+        for name, i in (("y", 0), ("grad_x", 2)):
+            assert not got[i][bad].isfinite().all(dim=1).any(), name
+            check(name, got[i][good], ref[i], base[i])
 
 
 # ----------------------------------------------------------------------------- paths, determinism, bad input
@@ -197,9 +135,9 @@ def test_nonfinite_rows_stay_in_their_rows(kind, device):
 
 def test_deterministic(device):
     """dw and db from several programs' partial rows, reduced in a fixed order: bit for bit."""
-    x, r, w, b, gy, gh = inputs((9, 41, 341), torch.float32, device, "layer")
+    tensors, upstream = inputs((9, 41, 341), torch.float32, device, "layer")
     assert add_norm._split(9 * 41, add_norm._config(9 * 41, 341, True).block_m, torch.device(device))[0] > 1
-    first, second = (run(fused("layer"), (x, r, w, b), (gy, gh))[2] for _ in range(2))
+    first, second = (outputs_and_grads(public("layer", "triton"), tensors, upstream)[2:] for _ in range(2))
     assert all(torch.equal(a, c) for a, c in zip(first, second))
 
 
@@ -229,4 +167,4 @@ def test_bad_input(device):
         with pytest.raises(ValueError, match=message):
             add_norm.add_norm_forward(**args)
     with pytest.raises(ValueError, match="residual must have x's shape"):
-        add_norm.fused_add_rms_norm(x, x[:1], w)
+        fused_add_rms_norm(x, x[:1], w, backend="triton")

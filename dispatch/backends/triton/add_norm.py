@@ -1,9 +1,9 @@
 """Triton fused residual add + RMSNorm / LayerNorm (issue 49), forward and backward:
     h = x + residual (rounded to x's dtype, as PyTorch's add), y = norm(h) * (w + offset) (+ b)
 h is the next residual stream: both outputs carry gradients. The kernels and their math are in
-``add_norm_kernels.py``; here, in order: launch settings, launchers (check, allocate, launch), the API
-an op spec calls (``add_norm_forward`` / ``add_norm_backward``) and a thin autograd Function with the
-public-facing ``fused_add_rms_norm`` / ``fused_add_layer_norm``.
+``add_norm_kernels.py``; here, in order: launch settings, launchers (check, allocate, launch:
+``add_norm_forward`` / ``add_norm_backward``) and the op's ``KERNELS`` (``dispatch.ops.add_norm``; the
+shared runner's autograd node calls them).
 
 Bytes (s = itemsize, (M, N) rows): forward reads x and residual and writes y and h, 4MNs, where
 PyTorch's add then a fused norm kernel move 5MNs (add: 3, norm: 2); backward reads dy, dh_out and h
@@ -29,6 +29,7 @@ from dispatch.backends.triton.add_norm_kernels import (
 )
 from dispatch.backends.triton.bias_act_dropout import sum_partials
 from dispatch.backends.triton.launch import Launcher
+from dispatch.contracts.backend import Kernels
 
 KINDS = ("rms", "layer")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -224,60 +225,30 @@ def _sum_rows(partials: Tensor, out: Tensor) -> None:
         out.copy_(partials.sum(0))
 
 
-# ----------------------------------------------------------------------------- autograd
+# ----------------------------------------------------------------------------- the op's kernels
 
 
-def _rows(t: Tensor, n: int) -> Tensor:
-    return _unit_columns(t.reshape(-1, n))  # a view where t's strides allow one
+def _statistics(h: Tensor, eps: float, kind: str) -> tuple[Tensor, Optional[Tensor]]:
+    """rstd and mean (None for rms) of h's rows (M,), float32, for a backward whose forward kept h alone
+    (a compiled graph's custom op): one more pass over h."""
+    hf = h.float()
+    mean = hf.mean(1) if kind == "layer" else None
+    centered = hf if mean is None else hf - mean[:, None]
+    return torch.rsqrt(centered.pow(2).mean(1) + eps), mean
 
 
-class AddNormFunction(torch.autograd.Function):
-    """(y, h) = fused add + norm of x and residual (..., N); residual None: h is x. Gradients of x and
-    residual are one tensor, returned for both."""
-
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, kind, offset):
-        if x.dim() == 0:
-            raise ValueError("x must have at least one dimension (the normalized one)")
-        if residual is not None and residual.shape != x.shape:
-            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-        n = x.shape[-1]
-        r2d = None if residual is None else _rows(residual, n)
-        y, h, rstd, mean = add_norm_forward(_rows(x, n), r2d, weight, bias, eps, kind, offset)
-        ctx.save_for_backward(h, weight, rstd, mean)
-        ctx.kind, ctx.offset, ctx.has_bias, ctx.shape = kind, offset, bias is not None, x.shape
-        ctx.set_materialize_grads(False)
-        return y.view(x.shape), x if residual is None else h.view(x.shape)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy, dh_out):
-        h, weight, rstd, mean = ctx.saved_tensors
-        need_x, need_r, need_w, need_b = ctx.needs_input_grad[:4]
-        n = h.shape[1]
-        if dy is None:  # only h was used: its gradient passes through
-            dx, dw, db = dh_out, None, None
-        else:
-            dh2d = None if dh_out is None else _rows(dh_out, n)
-            needs = (need_x or need_r, need_w, need_b)
-            dx, dw, db = add_norm_backward(
-                _rows(dy, n), dh2d, h, weight, ctx.has_bias, rstd, mean, ctx.kind, ctx.offset, needs
-            )
-            dx = None if dx is None else dx.view(ctx.shape)
-        return dx if need_x else None, dx if need_r else None, dw, db, None, None, None
+def _inference(x, residual, weight, bias, eps, norm, offset):
+    y, h, _, _ = add_norm_forward(x, residual, weight, bias, eps, norm, offset)
+    return y, h
 
 
-def fused_add_rms_norm(
-    x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6, offset: float = 0.0
-) -> tuple[Tensor, Tensor]:
-    """(y, h): h = x + residual, y = h * rsqrt(mean(h^2) + eps) * (weight + offset); offset=1.0 is
-    Gemma's (1 + w) form."""
-    return AddNormFunction.apply(x, residual, weight, None, eps, "rms", offset)
+def _backward(dy, dh, h, rstd, mean, weight, bias, eps, norm, offset, needs):
+    if dy is None:  # only h was used: its gradient passes to x and residual
+        return (dh if needs[0] else None), None, None
+    if rstd is None:
+        rstd, mean = _statistics(h, eps, norm)
+    return add_norm_backward(dy, dh, h, weight, bias is not None, rstd, mean, norm, offset, needs)
 
 
-def fused_add_layer_norm(
-    x: Tensor, residual: Optional[Tensor], weight: Tensor, bias: Optional[Tensor], eps: float = 1e-5,
-    offset: float = 0.0,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(y, h): h = x + residual, y = F.layer_norm(h, weight + offset, bias, eps) with float32 math."""
-    return AddNormFunction.apply(x, residual, weight, bias, eps, "layer", offset)
+# dispatch.ops.add_norm's kernels (their signatures: dispatch/ops/add_norm_math.py)
+KERNELS = Kernels(forward=add_norm_forward, backward=_backward, inference=_inference)
