@@ -1,6 +1,7 @@
-"""``dispatch.patch(model)``: swap MLP blocks and Linear -> activation (-> dropout) runs for fused modules.
+"""``dispatch.patch(model)``: swap MLP blocks, Linear -> activation (-> dropout) runs and RMSNorms for fused
+modules.
 
-Three rewrites, each exactly the original function (dropout masks aside):
+Four rewrites, each exactly the original function (dropout masks aside):
 
 * A whole MLP block, Linear -> activation (or a gate) (-> Dropout) -> Linear (-> Dropout): one
   ``FusedMLP`` where the block was, over the block's own linear layers (``dispatch/patch_mlp.py``).
@@ -19,6 +20,8 @@ Three rewrites, each exactly the original function (dropout masks aside):
   per element more than nn.Dropout's mask. Under ``torch.compile`` the graph is then the original's.
   ``patch(model, bias_in_linear=False)`` moves that bias into the dropout's pass instead, as for runs
   with an activation: one ``FusedLinear(identity, dropout=p)``.
+* A Hugging Face RMSNorm (LLaMA's, Mistral's, Qwen2/3's, Gemma's): one ``FusedRMSNorm`` over its weight
+  (``dispatch/patch_norm.py``), the norm alone: its residual add is in the decoder layer's forward.
 
 Where it looks: Hugging Face blocks by class (``patch_mlp._HF_MLPS`` for whole blocks; ``_HF_BLOCKS``
 for runs: BERT's intermediate and output blocks, whose MLP spans two modules, and GPT-2's and ViT's MLP
@@ -46,7 +49,7 @@ from typing import NamedTuple, Optional
 
 from torch import nn
 
-from dispatch import patch_mlp
+from dispatch import patch_mlp, patch_norm
 from dispatch.nn import FusedBiasActDropout, FusedLinear, FusedMLP, is_conv1d
 from dispatch.patch_mlp import activation_name, describe_linear, features, is_activation_module, is_linear
 
@@ -213,8 +216,9 @@ def _sequential_runs(seq: nn.Sequential) -> list[_Run]:
 
 
 def patch(
-    model: nn.Module, *, bias_in_linear: bool = True, linear_dropout: bool = True, mlp_blocks: bool = True
-) -> PatchReport:
+    model: nn.Module, *, bias_in_linear: bool = True, linear_dropout: bool = True, mlp_blocks: bool = True,
+    norms: bool = True,
+) -> PatchReport:  # fmt: skip
     """Replaces, in place, ``model``'s MLP blocks with ``FusedMLP`` and its other Linear -> activation
     (-> dropout) runs with ``FusedLinear`` / ``FusedBiasActDropout``, and returns a report (print it) of
     what became what where.
@@ -244,6 +248,9 @@ def patch(
     ``mlp_blocks=False`` rewrites no whole block: GPT-2's and ViT's MLPs and Sequential MLPs are fused
     per linear, gated MLPs are left alone.
 
+    ``norms`` (default True): Hugging Face RMSNorms (``patch_norm._HF_NORMS``) become ``FusedRMSNorm``
+    (the norm alone: the residual add before it is not a module); ``norms=False`` leaves them.
+
     Either way every parameter keeps the original's name, in ``named_parameters()`` and the state_dict
     (see the module docstring): checkpoints of the original load into the patched model and back, with
     ``strict=True``.
@@ -254,6 +261,13 @@ def patch(
     places = _places(model)
     for path, module in list(model.named_modules()):
         if isinstance(module, FusedMLP):
+            continue
+        if norms and patch_norm.offset_of(module) is not None:
+            done = patch_norm.fuse(module, places.get(id(module), []))
+            if isinstance(done, str):
+                report.skipped.append((path, done))
+            else:
+                report.replaced.append(Replacement(path, type(module).__name__, *done))
             continue
         why = None  # why a whole MLP block was not made one FusedMLP
         block = patch_mlp.hf_block(module)

@@ -234,7 +234,7 @@ def _patched(family: str, pdrop: float) -> tuple[nn.Module, nn.Module]:
     original = _build(family, pdrop).double()
     model = copy.deepcopy(original)
     names = dict(model.named_parameters())
-    report = patch(model)
+    report = patch(model, norms=False)  # float64: the RMSNorms' patch (test_add_norm_nn.py) computes in it
     blocks = [b for b in blocks if pdrop > 0 or b != "BertOutput"]  # Linear -> Dropout(0): nothing to fuse
     assert [r.block for r in report.replaced] == blocks * 2, str(report)
     assert all(why.startswith("nothing to fuse") for _, why in report.skipped), str(report)
@@ -262,7 +262,7 @@ def test_hf_eval_same_output_and_state_dict_loads_both_ways(family):
         want = original.eval()(x)
         torch.testing.assert_close(model.eval()(x), want)
         target = _build(family, 0.1).double().eval()  # other random weights
-        patch(target)
+        patch(target, norms=False)
         target.load_state_dict(original.state_dict(), strict=True)
         torch.testing.assert_close(target(x), want)
         back = _build(family, 0.1).double().eval()
@@ -293,7 +293,8 @@ def test_hf_gated_block_without_a_fused_gate_is_left_alone(act, why):
                             num_attention_heads=4, num_key_value_heads=2, hidden_act=act)  # fmt: skip
     model = tf.LlamaModel(config)
     report = patch(model)
-    assert [path for path, _ in report.skipped] == ["layers.0.mlp", "layers.1.mlp"] and not report.replaced
+    assert [path for path, _ in report.skipped] == ["layers.0.mlp", "layers.1.mlp"]
+    assert {r.block for r in report.replaced} == {"LlamaRMSNorm"}  # the norms, whatever the MLPs
     assert all(reason.endswith(why) for _, reason in report.skipped), report.skipped
     assert type(model.layers[0].mlp).__name__ == "LlamaMLP"
 
@@ -370,7 +371,7 @@ def test_mlp_blocks_false_keeps_the_per_linear_rewrite(family):
     a gated block has no per-linear form and is left alone. Keys and outputs as the original's."""
     original = _build(family, 0.1).double().eval()
     model = copy.deepcopy(original)
-    report = patch(model, mlp_blocks=False)
+    report = patch(model, mlp_blocks=False, norms=False)  # float64: see _patched
     assert not any(isinstance(m, FusedMLP) for m in model.modules())
     c_proj = "c_proj=FusedLinear() + dropout=FusedBiasActDropout(identity, p=0.1, bias=False)"
     runs = ["c_fc=FusedLinear(gelu_tanh)", c_proj] if family == "gpt2" else []

@@ -68,17 +68,23 @@ def test_tiny_llama_reports_each_layers_mlp_as_one_fused_block():
     original = tf.LlamaForCausalLM(config).eval()
     model = copy.deepcopy(original)
     report = patch(model)
-    assert [(r.path, r.block) for r in report.replaced] == [(f"model.layers.{i}.mlp", "LlamaMLP")
-                                                            for i in (0, 1)]  # fmt: skip
+    mlps = [(r.path, r.block) for r in report.replaced if r.block == "LlamaMLP"]
+    assert mlps == [(f"model.layers.{i}.mlp", "LlamaMLP") for i in (0, 1)]
+    norms = [r for r in report.replaced if r.block == "LlamaRMSNorm"]  # the norms alone: no add in sight
+    places = [f"model.layers.{i}.{n}_layernorm" for i in (0, 1) for n in ("input", "post_attention")]
+    assert [r.path for r in norms] == [*places, "model.norm"]
+    assert all("the norm alone" in r.after for r in norms)
     assert not report.skipped
     lines = str(report).splitlines()
-    assert lines[0] == "dispatch.patch: 2 replaced, 0 left alone"
+    assert lines[0] == "dispatch.patch: 7 replaced, 0 left alone"
     act = type(original.model.layers[0].mlp.act_fn).__name__
     before = f"gate_proj=Linear(32->48) + up_proj=Linear(32->48) + act_fn={act} + down_proj=Linear(48->32)"
     assert lines[1] == f"  model.layers.0.mlp (LlamaMLP): {before}  ->  FusedMLP(swiglu)"
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, original(ids).logits)
+    kept = copy.deepcopy(original)
+    assert len(patch(kept, norms=False)) == 2 and type(kept.model.norm).__name__ == "LlamaRMSNorm"
 
 
 def test_tiny_gated_t5_lists_its_gated_feed_forwards():

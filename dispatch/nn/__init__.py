@@ -1,4 +1,5 @@
-"""Drop-in modules over the fused ops: ``FusedLinear``, ``FusedBiasActDropout`` and ``FusedMLP``.
+"""Drop-in modules over the fused ops: ``FusedLinear``, ``FusedBiasActDropout``, ``FusedMLP`` and the
+norms ``FusedRMSNorm`` and ``FusedLayerNorm`` (``norm.py``: each takes the residual add before it).
 
 ``FusedLinear`` is ``nn.Linear`` followed by an activation and, with ``dropout=p``, a dropout: same
 parameters (``weight`` (out, in), ``bias`` (out,)), same initialization, so an ``nn.Linear`` state_dict
@@ -28,5 +29,9 @@ capture never synchronizes. ``model.eval()`` (or p = 0) draws nothing and drops 
 
 from dispatch.nn.layers import FusedBiasActDropout, FusedLinear, is_conv1d, linear_layout
 from dispatch.nn.mlp import FusedMLP
+from dispatch.nn.norm import FusedLayerNorm, FusedRMSNorm
 
-__all__ = ["FusedBiasActDropout", "FusedLinear", "FusedMLP", "is_conv1d", "linear_layout"]
+__all__ = [
+    "FusedBiasActDropout", "FusedLayerNorm", "FusedLinear", "FusedMLP", "FusedRMSNorm", "is_conv1d",
+    "linear_layout",
+]  # fmt: skip

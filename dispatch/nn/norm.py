@@ -1,0 +1,115 @@
+"""The norm modules over ``fused_add_rms_norm`` / ``fused_add_layer_norm``: ``FusedRMSNorm`` and
+``FusedLayerNorm``, each a norm that may take the residual add before it.
+
+``forward(x)`` is the norm of x; ``forward(x, residual)`` computes h = x + residual and returns
+(norm(h), h), h the next residual stream, in one pass each way. Parameters are named as Hugging Face's
+RMSNorm (``weight``) and ``nn.LayerNorm`` (``weight``, ``bias``) name theirs, so their state_dicts
+load unchanged. ``offset``: the norm multiplies by (weight + offset), Gemma's (1 + w) at 1.0; the
+weight starts at 1 - offset (a unit scale, as LLaMA's ones and Gemma's zeros).
+
+Dtypes: the op takes x, residual and the parameters in one dtype; where they differ (float32 norms in
+a bfloat16 model, or under autocast) the module computes the op's baseline on them as they are, which
+is the Hugging Face module's formula (LLaMA's product promotes to the weight's dtype, Gemma's and
+F.layer_norm's do not). In float64 the RMSNorm computes in float64, where Hugging Face's compute in
+float32 whatever x is: a patched float64 model differs from the original by float32's rounding there.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from dispatch.api import explain, fused_add_layer_norm, fused_add_rms_norm
+from dispatch.ops.add_norm import baseline
+from dispatch.select import Decision
+
+
+def _one_dtype(x: Tensor, residual: Optional[Tensor], *params: Optional[Tensor]) -> bool:
+    return all(t is None or t.dtype == x.dtype for t in (residual, *params))
+
+
+class _Norm(nn.Module):
+    """What the two share: the parameters' shape and start, the dtype rule, repr."""
+
+    norm: str
+
+    def __init__(self, hidden_size: int, eps: float, offset: float, bias: bool,
+                 device: Optional[torch.device | str], dtype: Optional[torch.dtype]) -> None:  # fmt: skip
+        super().__init__()
+        self.hidden_size, self.eps, self.offset = hidden_size, float(eps), float(offset)
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - self.offset, **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(hidden_size, **factory))
+        else:
+            self.register_parameter("bias", None)
+
+    def _run(self, x: Tensor, residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
+        """norm(x), or with a residual (norm(x + residual), x + residual)."""
+        if x.shape[-1:] != (self.hidden_size,):
+            raise ValueError(f"x's last dimension must be hidden_size={self.hidden_size} of this "
+                             f"{type(self).__name__}, got x of shape {tuple(x.shape)}")  # fmt: skip
+        if _one_dtype(x, residual, self.weight, self.bias):
+            y, h = self._run(x, residual)
+        else:
+            y, h = baseline(x, residual, self.weight, self.bias, self.eps, self.norm, self.offset)
+        return y if residual is None else (y, h)
+
+    def explain(self, x: Tensor, residual: Optional[Tensor] = None) -> Decision:
+        """Which backend a call on x (and residual) runs on, by which rule, and why (print it)."""
+        name = "fused_add_rms_norm" if self.norm == "rms" else "fused_add_layer_norm"
+        params = (self.weight,) if self.norm == "rms" else (self.weight, self.bias)
+        return explain(name, x, residual, *params, self.eps, offset=self.offset)
+
+    def extra_repr(self) -> str:
+        offset = f", offset={self.offset}" if self.offset else ""
+        bias = ", bias=False" if self.norm == "layer" and self.bias is None else ""
+        return f"{self.hidden_size}, eps={self.eps}{offset}{bias}"
+
+
+class FusedRMSNorm(_Norm):
+    """Hugging Face's LlamaRMSNorm (``offset=0``) or GemmaRMSNorm (``offset=1``), with the residual add
+    before it fused in when ``forward`` is given one.
+
+    Equivalent PyTorch (LLaMA's; Gemma's multiplies by (1 + weight) in float32, then casts)::
+
+        h = x + residual
+        hf = h.float()
+        y = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    """
+
+    norm = "rms"
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0,
+                 device: Optional[torch.device | str] = None, dtype: Optional[torch.dtype] = None,
+                 ) -> None:  # fmt: skip
+        super().__init__(hidden_size, eps, offset, False, device, dtype)
+
+    def _run(self, x: Tensor, residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, offset=self.offset)
+
+
+class FusedLayerNorm(_Norm):
+    """``nn.LayerNorm(hidden_size, eps, bias=bias)`` over the last dimension, with the residual add
+    before it fused in when ``forward`` is given one.
+
+    Equivalent PyTorch::
+
+        h = x + residual
+        y = F.layer_norm(h, (hidden_size,), weight, bias, eps)
+    """
+
+    norm = "layer"
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True, offset: float = 0.0,
+                 device: Optional[torch.device | str] = None, dtype: Optional[torch.dtype] = None,
+                 ) -> None:  # fmt: skip
+        super().__init__(hidden_size, eps, offset, bias, device, dtype)
+
+    def _run(self, x: Tensor, residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        return fused_add_layer_norm(x, residual, self.weight, self.bias, self.eps, offset=self.offset)
