@@ -32,7 +32,8 @@ TEXT = (".py", ".md", ".toml", ".json", ".txt", ".cfg", ".ini", ".sh", ".yaml", 
 def test_no_file_but_its_own_names_the_op():
     found = []
     for here, folders, files in os.walk(ROOT):
-        folders[:] = [f for f in folders if not f.startswith(".") and f != "__pycache__"]
+        folders[:] = [f for f in folders if not f.startswith(".") and f not in ("__pycache__", "build")
+                      and not f.endswith(".egg-info")]  # the tree, not what an install writes into it
         for name in files:
             path = os.path.relpath(os.path.join(here, name), ROOT).replace(os.sep, "/")
             if not name.endswith(TEXT) or any(fnmatch.fnmatch(path, pattern) for pattern in OWN):

@@ -7,6 +7,9 @@ RMSNorm (``weight``) and ``nn.LayerNorm`` (``weight``, ``bias``) name theirs, so
 load unchanged. ``offset``: the norm multiplies by (weight + offset), Gemma's (1 + w) at 1.0; the
 weight starts at 1 - offset (a unit scale, as LLaMA's ones and Gemma's zeros).
 
+Where the dispatcher picks plain PyTorch (no table, no cell) a module computes the op's baseline
+directly, for the cost of one cached decision and no argument checks.
+
 Dtypes: the op takes x, residual and the parameters in one dtype; where they differ (float32 norms in
 a bfloat16 model, or under autocast) the module computes the op's baseline on them as they are, which
 is the Hugging Face module's formula (LLaMA's product promotes to the weight's dtype, Gemma's and
@@ -21,9 +24,12 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from dispatch import select
 from dispatch.api import explain, fused_add_layer_norm, fused_add_rms_norm
-from dispatch.ops.add_norm import baseline
+from dispatch.ops.add_norm import baseline, module_call
 from dispatch.select import Decision
+
+_compiling = torch.compiler.is_compiling
 
 
 def _one_dtype(x: Tensor, residual: Optional[Tensor], *params: Optional[Tensor]) -> bool:
@@ -49,13 +55,21 @@ class _Norm(nn.Module):
     def _run(self, x: Tensor, residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
+    def _needs_grad(self, x: Tensor, residual: Optional[Tensor]) -> bool:
+        return torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, residual, self.weight, self.bias)
+        )
+
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
         """norm(x), or with a residual (norm(x + residual), x + residual)."""
         if x.shape[-1:] != (self.hidden_size,):
             raise ValueError(f"x's last dimension must be hidden_size={self.hidden_size} of this "
                              f"{type(self).__name__}, got x of shape {tuple(x.shape)}")  # fmt: skip
         if _one_dtype(x, residual, self.weight, self.bias):
-            y, h = self._run(x, residual)
+            if not _compiling() and select.plain_pytorch(module_call(x, self.norm, self._needs_grad(x, residual))):
+                y, h = baseline(x, residual, self.weight, self.bias, self.eps, self.norm, self.offset)
+            else:
+                y, h = self._run(x, residual)
         else:
             y, h = baseline(x, residual, self.weight, self.bias, self.eps, self.norm, self.offset)
         return y if residual is None else (y, h)

@@ -84,6 +84,13 @@ def parse(x: object, residual: object, weight: object, bias: object, eps: object
     return AddNormCall(call, x, residual, weight, bias, eps, norm, offset)
 
 
+def module_call(x: Tensor, norm: str, grad: bool) -> Call:
+    """The decision key ``parse`` would make for a norm module's call on x (..., N) whose parameters are
+    known to fit it (``dispatch.nn.FusedRMSNorm``'s, ``FusedLayerNorm``'s): the key alone, unchecked."""
+    m, n = checks.rows_of(x.shape)
+    return new_call((NAME, x.device, x.dtype, (m, n), grad, TRAITS, (norm,)))
+
+
 # ----------------------------------------------------------------------------- running on kernels
 
 # The kernels' arguments are the tensors (x, residual, weight, bias), then the settings (eps, norm,
