@@ -1,5 +1,5 @@
-"""fused add + RMSNorm / LayerNorm (issue 49): the triton kernel next to plain PyTorch, torch.compile,
-Liger and a device copy.
+"""fused add + RMSNorm / LayerNorm, memory-bound (one pass each way): the triton kernel next to plain
+PyTorch, torch.compile, Liger and a device copy.
 
     python benchmarks/bench_add_norm.py [--out DIR] [--quick] [--modes forward,backward] [--kinds rms,layer]
     python benchmarks/bench_add_norm.py --cpu-smoke     # tiny sizes on the CPU (Triton's interpreter)

@@ -157,8 +157,7 @@ def picked_backends(device: torch.device) -> set[str]:
     """Every backend the table serving ``device`` picks in some segment (or for CUDA-graph capture)."""
     from dispatch import heuristics
 
-    table, _ = heuristics.table_for(torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda"
-                                    and device.index is None else device)  # fmt: skip
+    table, _ = heuristics.table_for(device)
     if table is None:
         return set()
     segs = [s for by in table.index.values() for e in by.values() for s in e.segments]
@@ -224,6 +223,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     warnings.simplefilter("ignore", CompileNotice)  # compiling every kind is what this command does
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:  # the tables are found by the device's index
+        device = torch.device("cuda", torch.cuda.current_device())
     budget = (
         args.budget if args.budget is not None else (45.0 if args.quick and device.type == "cpu" else None)
     )

@@ -159,7 +159,7 @@ def _runs(
     return [{"run": kind, **this, "parts": 1}]
 
 
-def _summary(doc: Document, out: str, seconds: float, kept: str) -> list[str]:
+def _summary(doc: Document, out: str, seconds: float, kept: str, argv: Sequence[str]) -> list[str]:
     """What the run did, in a few lines: the self-check, where the time went, what was written."""
     st = doc["settings"]
     stopped = st["stopped_by_budget"]
@@ -175,7 +175,7 @@ def _summary(doc: Document, out: str, seconds: float, kept: str) -> list[str]:
     cut = {label: f["series_left"] for label, f in (st.get("families") or {}).items() if f.get("series_left")}
     if cut:
         listed = ", ".join(f"{label} ({n} series)" for label, n in sorted(cut.items()))
-        again = " ".join(a for a in sys.argv[1:] if a != "--resume") if sys.argv[0].endswith("__main__.py") else ""
+        again = " ".join(a for a in argv if a != "--resume")
         lines.append(f"not measured, the budget ran out: {listed}. Their calls run on plain PyTorch (explain() "
                      f"says 'not measured here'); measure them with: python -m dispatch.calibrate "
                      f"{again + ' ' if again else ''}--resume")  # fmt: skip
@@ -250,7 +250,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(table_cli.render(heuristics.Table(doc, out)))
     kept = _kept(previous, run.entries) if previous is not None else ""
-    print("\n".join(_summary(doc, out, time.monotonic() - run.start, kept)))
+    argv = sys.argv[1:] if argv is None else argv
+    print("\n".join(_summary(doc, out, time.monotonic() - run.start, kept, argv)))
     return 0
 
 

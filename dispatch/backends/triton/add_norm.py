@@ -1,4 +1,4 @@
-"""Triton fused residual add + RMSNorm / LayerNorm (issue 49), forward and backward:
+"""Triton fused residual add + RMSNorm / LayerNorm, forward and backward:
     h = x + residual (rounded to x's dtype, as PyTorch's add), y = norm(h) * (w + offset) (+ b)
 h is the next residual stream: both outputs carry gradients. The kernels and their math are in
 ``add_norm_kernels.py``; here, in order: launch settings, launchers (check, allocate, launch:
