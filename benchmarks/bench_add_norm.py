@@ -35,6 +35,7 @@ import common
 import report
 import torch
 import torch.nn.functional as F
+from tabulate import tabulate
 
 from dispatch import fused_add_layer_norm, fused_add_rms_norm, timing
 from dispatch.ops.add_norm import EPS, baseline, reference
@@ -257,6 +258,29 @@ def run(args, kinds: list[str], modes: tuple[str, ...], device: torch.device) ->
     keys, metrics = ["M", "N", "kind", "mode"], [("GB/s", "gbs"), ("% copy", "pct_copy")]
     title = f"every entry (x = baseline's time / entry's; {time.perf_counter() - start:.0f} s)"
     report.print_table(*report.long_table(rows, keys, metrics), title=title)
+    if device.type == "cuda":
+        print(tabulate(targets(rows), headers=["target (fwd+bwd, GPU time)", "worst row", ""]))
+
+
+TARGETS = (("pytorch", 0.5), ("liger", 1.0))  # triton's GPU time over each entry's, fwd+bwd, at most
+
+
+def targets(rows: list[dict]) -> list[list[str]]:
+    """Per kind and entry of ``TARGETS``: the worst ratio over the forward+backward rows, with PASS
+    where it is within the bound on every row measured (MISS where a row is missing its triton time)."""
+    lines = []
+    for kind in sorted({r["kind"] for r in rows if "kind" in r}):
+        shown = [r for r in rows if r.get("kind") == kind and r.get("mode") == "forward+backward"]
+        for entry, bound in TARGETS:
+            with_entry = [r for r in shown if r.get(f"gpu_us:{entry}")]
+            if not with_entry:
+                continue
+            ratios = [(r.get("gpu_us:triton", float("inf")) / r[f"gpu_us:{entry}"], r) for r in with_entry]
+            worst, r = max(ratios, key=lambda t: t[0])
+            ok = worst <= bound and len(with_entry) == len(shown)
+            lines.append([f"{kind}: triton <= {bound:g}x {entry} on {len(with_entry)}/{len(shown)} rows",
+                          f"{worst:.3f}x at {r['M']}x{r['N']}", "PASS" if ok else "MISS"])  # fmt: skip
+    return lines
 
 
 if __name__ == "__main__":

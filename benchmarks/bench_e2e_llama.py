@@ -25,13 +25,14 @@ batch 2 less batch 1, for every config, and the summary prints them beside the f
 Configs (``e2e_common``): eager, patched (``dispatch.patch(model)``, the dispatcher picks or
 ``--backend``), patched-triton (forced onto triton). Training (the default): each config is built from
 the same weights and first runs ``--warmup`` steps alone (compiles, autotuning; its own peak memory:
-torch.cuda.max_memory_allocated over those steps less what was allocated before it was built); then all
+torch.cuda.max_memory_allocated over those steps but the first, whose autotuning buffers are reported
+apart, less what was allocated before it was built); then all
 step in turn on the same batches (a duel: one GPU clock and host phase for all): tokens/s from each
 one's median step (CUDA events on the stream), the median of the per-step ratios against eager with a
 95% interval (``e2e_common.paired``), every step's loss to a PNG, the MLP blocks' share of the step and
 the block alone (``e2e_profile``), and the targets: speedup, peak memory, loss parity over the last 20
 steps. Then, under a memory cap (``--mem-cap-gib``, torch.cuda.set_per_process_memory_fraction), the
-largest batch each of ``--fit-configs`` trains in (``e2e_memory.fit``: two steps of a fresh model;
+largest batch each of ``--fit-configs`` trains in, in a fresh process (``e2e_memory.fit``: two steps of a fresh model;
 doubling from ``--batch``, then bisection; out-of-memory caught, the cache emptied): the target is a
 batch that fits patched where eager runs out of memory. The model and its memory accounting are
 ``e2e_llama``'s.
@@ -48,6 +49,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
+import os
+import subprocess
 import sys
 import time
 import traceback
@@ -133,14 +137,19 @@ def prepare(name: str, config, state: dict, batches, args, device) -> dict:
     e2e_common.release(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    gib, first = e2e_memory.gib, None
     with e2e_common.dispatch_backend(backend):
-        for x, y in batches[: args.warmup]:
+        for i, (x, y) in enumerate(batches[: args.warmup]):
             run["losses"].append(e2e_common.step(model, opt, x, y, device))
             sched.step()
+            if cuda and i == 0 and args.warmup > 1:  # the first step also holds autotuning's buffers
+                timing.synchronize(device)
+                first = gib(torch.cuda.max_memory_allocated() - before)
+                torch.cuda.reset_peak_memory_stats()
     timing.synchronize(device)
     run["warmup_s"] = time.perf_counter() - start
-    gib = e2e_memory.gib
     run["peak_gib"] = gib(torch.cuda.max_memory_allocated() - before) if cuda else None
+    run["first_step_peak_gib"] = first
     run["resident_gib"] = gib(torch.cuda.memory_allocated() - before) if cuda else None  # weights, AdamW
     return run
 
@@ -254,6 +263,22 @@ def fit(config, state: dict, args, device) -> dict:
     return e2e_memory.fit(args.fit_configs, trial, device, cap, start, bound, args.seq)
 
 
+def fit_alone(args) -> dict:
+    """``fit`` in a fresh process (``--find-max-batch``): its trials see none of the memory this one
+    still holds (caches, CUDA graph pools) and no allocator state of the training runs."""
+    held = e2e_memory.gib(torch.cuda.memory_allocated()) if torch.cuda.is_available() else 0.0
+    print(f"--- the largest batch, in a fresh process (this one still holds {held:.2f} GiB)", flush=True)
+    argv = [a for a in sys.argv[1:] if a != "--find-max-batch"] + ["--find-max-batch"]
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], check=False)
+    try:
+        with open(common.path(args, "bench_e2e_llama_maxbatch", "json")) as f:
+            found = json.load(f)
+    except (OSError, ValueError) as exc:
+        line = [f"the largest-batch search ran (rc {done.returncode})", timing.describe(exc), "MISS"]
+        return {"max_batch": [], "cap_gib": args.mem_cap_gib, "targets": [line]}
+    return {"max_batch": found["max_batch"], "cap_gib": found["cap_gib"], "targets": found["fit_targets"]}
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -315,7 +340,7 @@ def main() -> None:
             decisions = e2e_llama.decisions(config, args, device)
             result = {"decisions": decisions, **train(config, state, args, device)}
         if args.find_max_batch or not args.no_fit:
-            found = fit(config, state, args, device)
+            found = fit(config, state, args, device) if args.find_max_batch else fit_alone(args)
             result.update(
                 max_batch=found["max_batch"], cap_gib=found["cap_gib"], fit_targets=found["targets"]
             )
