@@ -4,15 +4,16 @@ transformers, real widths) and one ``nn.Sequential``, each timed unpatched and a
 
     python benchmarks/bench_judge.py [--out DIR] [--tokens 600,2400,9600] [--quick] [--cpu-smoke]
 
-Entries per (model, tokens, mode), timed in interleaved rounds:
+Entries per (model, tokens, mode), timed in paired samples (``dispatch.timing.paired_ms``):
   plain       the block as the model defines it
   patched     dispatch.patch's FusedMLP, the dispatcher choosing by this GPU's table
   no-table    the same FusedMLP where no table answers (the pick is plain PyTorch: ``use_backend
               ("pytorch")``, which costs the same one cached decision)
 Modes: training (bf16, forward and the gradients of x and every weight, the model's dropout in train
 mode) and inference (forward under no_grad, eval mode). Clocks: GPU time (the step unrolled in a CUDA
-graph: ``dispatch.timing.gpu_ms``) and wall time (steps back to back, synchronized once: what an eager
-model sees, the host's cost included). Each patched block is first checked against the plain one in
+graph, a replay per sample) and wall time (steps back to back, synchronized at both ends: what an eager
+model sees, the host's cost included); each sample times the three entries in adjacent slices of about
+``--slice-ms``, and a ratio is the median of the same-sample ratios. Each patched block is first checked against the plain one in
 eval mode (output and gradients within bf16's tolerance).
 
 Targets (a patched model must never be slower than the one it came from): on blocks of >= 200 us GPU time,
@@ -108,35 +109,23 @@ def check(plain: nn.Module, fused: nn.Module, x: torch.Tensor, gy: torch.Tensor)
     return "ok" if worst < 0.05 else f"max relative error {worst:.3g}"
 
 
-def measure(runs: dict[str, timing.Fn], device: torch.device, rounds: int, rep_ms: float) -> dict:
-    """Per entry, its median time on each clock and the median over rounds of its time / plain's in the
-    same round. Rounds rotate the order (A B C, B C A, C A B: each entry in each place equally often,
-    ``rounds`` a multiple of the entries), so a clock that sags under sustained load (the H100 did,
-    2026-12-06: an entry never timed first read 3-6% slow against the same kernels) biases none; the
-    wall clock, cheap, takes three times the rounds."""
+def measure(runs: dict[str, timing.Fn], device: torch.device, samples: int, slice_ms: float) -> dict:
+    """Per entry and clock, its median time (ms per call) and the median over samples of its time /
+    plain's in the same sample (``timing.paired_ms``: the entries' slices adjacent, their order
+    rotated, so the GPU clock's sag under sustained load and the host's phases cancel in the ratio;
+    medians of rounds tens of ms apart read identical kernels up to 7% (GPU) and 12% (wall) apart on
+    an H100). The wall clock takes three times the samples."""
     for fn in runs.values():
         fn()
     timing.synchronize(device)
-    first = {}
-    for name, fn in runs.items():
-        start = time.perf_counter()
-        fn()
-        timing.synchronize(device)
-        first[name] = (time.perf_counter() - start) * 1e3
-    got: dict[str, dict[str, dict[int, float]]] = {name: {"gpu": {}, "wall": {}} for name in runs}
+    clocks = {"wall": timing.paired_ms(runs, device, gpu=False, samples=3 * samples, slice_ms=slice_ms)}
     if device.type == "cuda":
-        for r, name in timing.rotations(list(runs), rounds):
-            got[name]["gpu"][r] = timing.gpu_ms(runs[name], rep_ms / rounds) * 1e3
-    for r, name in timing.rotations(list(runs), 3 * rounds):
-        count = max(3, min(200, int(rep_ms / (3 * rounds) / max(first[name], 1e-3))))
-        got[name]["wall"][r] = timing.back_to_back_ms(runs[name], (), count, device) * 1e3
-    out: dict[str, dict] = {}
-    for name, clocks in got.items():
-        for clock, by_round in clocks.items():
-            base = got["plain"][clock]
-            out.setdefault(name, {})[clock] = statistics.median(by_round.values()) if by_round else None
-            ratios = [t / base[r] for r, t in by_round.items() if base.get(r)]
-            out[name][f"{clock}_ratio"] = statistics.median(ratios) if ratios else None
+        clocks["gpu"] = timing.paired_ms(runs, device, gpu=True, samples=samples, slice_ms=slice_ms)
+    out: dict[str, dict] = {name: {"gpu": None, "gpu_ratio": None} for name in runs}
+    for clock, times in clocks.items():
+        for name in runs:
+            out[name][clock] = statistics.median(times[name]) * 1e3
+            out[name][f"{clock}_ratio"] = timing.paired_ratio(times, name, "plain")
     return out
 
 
@@ -155,7 +144,7 @@ def row(name: str, m: int, mode: str, args, device: torch.device) -> dict:
         out["picked"] = fused.explain(x).backend.name
     runs = {"plain": step(plain, x, gy, mode), "patched": step(fused, x, gy, mode),
             "no-table": step(fused, x, gy, mode, lambda: use_backend("pytorch"))}  # fmt: skip
-    for entry, clocks in measure(runs, device, args.rounds, args.rep_ms).items():
+    for entry, clocks in measure(runs, device, args.samples, args.slice_ms).items():
         for clock in ("gpu", "wall"):
             out[f"{clock}_us:{entry}"] = clocks[clock]
             if entry != "plain":
@@ -186,8 +175,8 @@ def main() -> None:
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--models", help="comma-separated, of " + ", ".join(MODELS))
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--rounds", type=int, default=3, help="GPU-clock rounds, a multiple of the 3 entries")
-    p.add_argument("--rep-ms", type=float, default=90.0, help="ms per entry and clock over all rounds")
+    p.add_argument("--samples", type=int, default=60, help="GPU-clock samples (wall clock: three times)")
+    p.add_argument("--slice-ms", type=float, default=2.0, help="ms of calls per entry and sample")
     p.add_argument("--budget-s", type=float, default=1e9, help="start no row after this many seconds")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU (wall clock only)")
     args = p.parse_args()
