@@ -166,6 +166,7 @@ class FusedMLP(nn.Module):
         for name, layer in layers.items():
             self.add_module(name, layer)
         object.__setattr__(self, "_act_fn", None)  # the table's torch function (a lambda: not kept, for pickle)
+        object.__setattr__(self, "_memo", select.Memo())  # the last call's decision
 
     def _operand(self, name: str, dtype: Optional[torch.dtype]) -> tuple[Tensor, Optional[Tensor]]:
         """A projection's (weight (out, in), bias), cast to ``dtype`` first when autocast gives one."""
@@ -175,13 +176,17 @@ class FusedMLP(nn.Module):
             weight, bias = _cast(weight, dtype), _cast(bias, dtype)
         return (weight.t() if self.transposed else weight), bias  # transposed after the cast, as FusedLinear
 
-    def _call(self, x: Tensor, dtype: Optional[torch.dtype]):
-        """The decision key of ``fused_mlp`` on x, made from the module's own settings (no checks)."""
-        grad = torch.is_grad_enabled() and (x.requires_grad or any(
+    def _grad(self, x: Tensor) -> bool:
+        """Whether a call on x records a backward: grad mode on, and x or a parameter needs one."""
+        return torch.is_grad_enabled() and (x.requires_grad or any(
             t is not None and t.requires_grad
             for layer in map(self._modules.__getitem__, (*self._in_names, self._out_name))
             for t in (layer.weight, layer.bias)
         ))  # fmt: skip
+
+    def _call(self, x: Tensor, dtype: Optional[torch.dtype], grad: Optional[bool] = None):
+        """The decision key of ``fused_mlp`` on x, made from the module's own settings (no checks)."""
+        grad = self._grad(x) if grad is None else grad
         dropout = self.training and (self.p > 0.0 or self.p_out > 0.0)
         return module_call(x, dtype or x.dtype, self.hidden_features, self.activation, dropout, grad)
 
@@ -192,8 +197,11 @@ class FusedMLP(nn.Module):
                 f"got x of shape {tuple(x.shape)}"
             )
         dtype = _autocast_dtype(x)
-        if not _compiling() and select.plain_pytorch(self._call(x, dtype)):
-            return self.module_forward(x)
+        if not _compiling():
+            grad = self._grad(x)
+            probe = (x.shape, x.dtype, x.device, dtype, grad, self.training)
+            if self._memo.plain(probe, lambda: self._call(x, dtype, grad)):
+                return self.module_forward(x)
         if dtype is not None:
             x = _cast(x, dtype)
         inner = [self._operand(name, dtype) for name in self._in_names]

@@ -1,0 +1,92 @@
+"""dispatch.nn modules keep their last decision (select.Memo) and decide again whenever what it was made
+from changes: the input's shape, dtype or grad, the mode, use_backend, or the caches being emptied."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from dispatch import select, use_backend
+from dispatch.nn import FusedMLP, FusedRMSNorm
+
+
+class Counted:
+    """Counts the module's plain-PyTorch runs (its module_forward) and passes them through."""
+
+    def __init__(self, module: FusedMLP) -> None:
+        self.runs, self.inner = 0, module.module_forward
+        module.module_forward = self
+
+    def __call__(self, x):
+        self.runs += 1
+        return self.inner(x)
+
+
+def mlp() -> FusedMLP:
+    return FusedMLP(8, 16, activation="swiglu")
+
+
+def test_a_use_backend_block_is_seen_by_a_module_that_decided_before_it():
+    m, x = mlp(), torch.randn(3, 8)
+    counted = Counted(m)
+    with use_backend("pytorch"):
+        m(x)
+    with use_backend("eager"):
+        y = m(x)
+    assert counted.runs == 1
+    with use_backend("pytorch"):
+        assert torch.equal(m(x), y)
+    assert counted.runs == 2
+
+
+def test_emptied_caches_and_a_new_environment_are_seen(monkeypatch):
+    m, x = mlp(), torch.randn(3, 8)
+    counted = Counted(m)
+    monkeypatch.setenv("DISPATCH_BACKEND", "eager")
+    select.clear_cache()
+    try:
+        m(x)
+        assert counted.runs == 0
+        monkeypatch.setenv("DISPATCH_BACKEND", "pytorch")
+        select.clear_cache()
+        m(x)
+        assert counted.runs == 1
+    finally:
+        monkeypatch.delenv("DISPATCH_BACKEND")
+        select.clear_cache()
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "grad", "mode"])
+def test_the_call_key_is_made_again_when_the_input_or_mode_changes(change, monkeypatch):
+    m, x = mlp(), torch.randn(3, 8)
+    made = []
+    real = m._call
+    monkeypatch.setattr(m, "_call", lambda *a: made.append(1) or real(*a))
+    m(x)
+    m(x)
+    assert len(made) == 1  # the same probe: the memo answers
+    if change == "shape":
+        m(torch.randn(5, 8))
+    elif change == "dtype":
+        m.double()(x.double())
+    elif change == "grad":
+        with torch.no_grad():
+            m(x)
+    else:
+        m.eval()(x)
+    assert len(made) == 2
+
+
+def test_copies_and_pickles_start_empty_and_still_decide():
+    m, x = mlp(), torch.randn(3, 8)
+    norm = FusedRMSNorm(8)
+    m(x), norm(x)
+    assert m._memo.found is not None and norm._memo.found is not None
+    for twin in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert twin._memo.found is None
+        assert torch.equal(twin(x), m(x))
+    twin_norm = copy.deepcopy(norm)
+    assert twin_norm._memo.found is None and torch.equal(twin_norm(x), norm(x))
