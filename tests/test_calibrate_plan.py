@@ -159,8 +159,8 @@ def test_a_series_host_cost_is_its_median_and_one_host_sample_drops_no_backend()
 
 def test_host_cost_is_the_family_median_of_the_measured_series():
     """On a GPU each backend's host cost is the median of its samples over the measured series of one op,
-    mode and dropout (any size, activation or dtype); an activation sharing a series' timings adds no
-    samples of its own, and another family keeps its own."""
+    mode, dropout and class (any size, dtype or member of the class); an activation sharing a series'
+    timings adds no samples of its own, and another family (another mode, another class) keeps its own."""
 
     def entry(features, act="gelu", rep="gelu", mode="inference", samples=None):
         points = [{"m": m, "gpu_us": {"eager": 1.0, "triton": 1.0}, "host_us": dict(s)} for m, s in samples]
@@ -171,10 +171,12 @@ def test_host_cost_is_the_family_median_of_the_measured_series():
     b = entry(4096, samples=[(1, {"eager": 30.0, "triton": 70.0})])
     member = entry(768, act="relu", samples=[(1, {"eager": 1000.0, "triton": 1000.0})])
     other = entry(768, mode="training", samples=[(1, {"eager": 200.0, "triton": 300.0})])
-    plan.pool_host([a, b, member, other])
+    relu = entry(768, act="relu", rep="relu", samples=[(1, {"eager": 3.0, "triton": 40.0})])
+    plan.pool_host([a, b, member, other, relu])
     for e in (a, b, member):
         assert all(p["host_us"] == {"eager": 12.0, "triton": 50.0} for p in e["points"]), e["points"]
     assert other["points"][0]["host_us"] == {"eager": 200.0, "triton": 300.0}
+    assert relu["points"][0]["host_us"] == {"eager": 3.0, "triton": 40.0}
     assert member["points"][0]["host_us_measured"] == {"eager": 1000.0, "triton": 1000.0}  # the clock's reading kept
 
 
