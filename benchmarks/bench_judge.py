@@ -4,7 +4,7 @@ transformers, real widths) and one ``nn.Sequential``, each timed unpatched and a
 
     python benchmarks/bench_judge.py [--out DIR] [--tokens 600,2400,9600] [--quick] [--cpu-smoke]
 
-Entries per (model, tokens, mode), timed in paired samples (``dispatch.timing.paired_ms``):
+Entries per (model, tokens, mode), timed in paired samples (``dispatch.paired``):
   plain       the block as the model defines it
   patched     dispatch.patch's FusedMLP, the dispatcher choosing by this GPU's table
   no-table    the same FusedMLP where no table answers (the pick is plain PyTorch: ``use_backend
@@ -32,7 +32,7 @@ import common
 import torch
 from torch import nn
 
-from dispatch import timing, use_backend
+from dispatch import paired, timing, use_backend
 from dispatch.nn import FusedMLP
 from dispatch.patch_mlp import fuse
 
@@ -111,21 +111,21 @@ def check(plain: nn.Module, fused: nn.Module, x: torch.Tensor, gy: torch.Tensor)
 
 def measure(runs: dict[str, timing.Fn], device: torch.device, samples: int, slice_ms: float) -> dict:
     """Per entry and clock, its median time (ms per call) and the median over samples of its time /
-    plain's in the same sample (``timing.paired_ms``: the entries' slices adjacent, their order
+    plain's in the same sample (``dispatch.paired.times``: the entries' slices adjacent, their order
     rotated, so the GPU clock's sag under sustained load and the host's phases cancel in the ratio;
     medians of rounds tens of ms apart read identical kernels up to 7% (GPU) and 12% (wall) apart on
     an H100). The wall clock takes three times the samples."""
     for fn in runs.values():
         fn()
     timing.synchronize(device)
-    clocks = {"wall": timing.paired_ms(runs, device, gpu=False, samples=3 * samples, slice_ms=slice_ms)}
+    clocks = {"wall": paired.times(runs, device, gpu=False, samples=3 * samples, slice_ms=slice_ms)}
     if device.type == "cuda":
-        clocks["gpu"] = timing.paired_ms(runs, device, gpu=True, samples=samples, slice_ms=slice_ms)
+        clocks["gpu"] = paired.times(runs, device, gpu=True, samples=samples, slice_ms=slice_ms)
     out: dict[str, dict] = {name: {"gpu": None, "gpu_ratio": None} for name in runs}
     for clock, times in clocks.items():
         for name in runs:
             out[name][clock] = statistics.median(times[name]) * 1e3
-            out[name][f"{clock}_ratio"] = timing.paired_ratio(times, name, "plain")
+            out[name][f"{clock}_ratio"] = paired.ratio(times, name, "plain")
     return out
 
 

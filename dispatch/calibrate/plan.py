@@ -215,14 +215,10 @@ def series_host(points: list[Point]) -> dict[str, float]:
 
 
 def pool_host(entries: list[EntryRecord]) -> None:
-    """Sets every point's host costs to its family's medians, in place (op, mode, dropout and the
-    variant's class, ``measured_as``: any dtype, size or member of the class; only measured series'
-    samples); what the clock read stays in ``host_us_measured``. Series medians still moved 15% (median)
-    to 1.8x (p90) between two full runs and 9% of the cells with them; family medians 3.9%. The class
-    is in the family because it changes a backend's host path: plain PyTorch's add + RMSNorm is seven
-    ops, its add + LayerNorm two (H100 host: 90 against 23 us a call; pooled, both read 90 and the
-    triton LayerNorm, 66 us, won calls that PyTorch runs in 23). GPU clocks only: on a CPU both are
-    wall time."""
+    """Every point's host costs := its family's medians (op, mode, dropout, class ``measured_as``: a class
+    changes the host path, PyTorch's add + RMSNorm 90 us a call, add + LayerNorm 23 on the H100; series
+    medians moved 15% (median) to 1.8x (p90) between two runs, family medians 3.9%). The clock's reading
+    stays in ``host_us_measured``. GPU clocks only: on a CPU both are wall time."""
     family = lambda e: (e["op"], e["mode"], e.get("dropout", False), e.get("measured_as"))  # noqa: E731
     samples: dict[tuple, list[Point]] = {}
     for e in entries:

@@ -1,4 +1,4 @@
-"""dispatch.timing.paired_ms: entries timed in adjacent slices, ratios taken sample by sample."""
+"""dispatch.paired: entries timed in adjacent slices, ratios taken sample by sample."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from dispatch import timing
+from dispatch import paired, timing
 
 
 def spin(ms: float):
@@ -22,24 +22,24 @@ def spin(ms: float):
 
 def test_wall_clock_ratio_of_a_call_twice_as_long_reads_two():
     entries = {"base": spin(0.2), "twice": spin(0.4)}
-    times = timing.paired_ms(entries, torch.device("cpu"), gpu=False, samples=9, slice_ms=2.0)
+    times = paired.times(entries, torch.device("cpu"), gpu=False, samples=9, slice_ms=2.0)
     assert set(times) == {"base", "twice"} and all(len(t) == 9 for t in times.values())
     assert 0.15 < min(times["base"]) and max(times["base"]) < 1.0  # ms per call, not per slice
-    assert timing.paired_ratio(times, "twice", "base") == pytest.approx(2.0, rel=0.25)
-    assert timing.paired_ratio(times, "base", "base") == 1.0
+    assert paired.ratio(times, "twice", "base") == pytest.approx(2.0, rel=0.25)
+    assert paired.ratio(times, "base", "base") == 1.0
 
 
 def test_every_sample_times_each_entry_once_in_rotated_order():
     order = []
     entries = {name: (lambda n=name: order.append(n)) for name in "abc"}
-    timing.paired_ms(entries, torch.device("cpu"), gpu=False, samples=3, slice_ms=1e-9)
+    paired.times(entries, torch.device("cpu"), gpu=False, samples=3, slice_ms=1e-9)
     slices = order[3 * 3 :]  # after the three rough-time calls of each entry, one call a slice
     assert slices == list("abc") + list("bca") + list("cab")
 
 
 def test_the_gpu_clock_needs_cuda():
     with pytest.raises(ValueError, match="gpu=True needs a CUDA device"):
-        timing.paired_ms({"a": lambda: None}, torch.device("cpu"), gpu=True)
+        paired.times({"a": lambda: None}, torch.device("cpu"), gpu=True)
 
 
 @pytest.mark.gpu
@@ -49,6 +49,6 @@ def test_gpu_clock_pairs_graph_replays():
         "base": lambda: torch.cuda._sleep(int(0.1 * cycles)),
         "twice": lambda: torch.cuda._sleep(int(0.2 * cycles)),
     }
-    times = timing.paired_ms(entries, torch.device("cuda"), gpu=True, samples=10, slice_ms=1.0)
-    assert timing.paired_ratio(times, "twice", "base") == pytest.approx(2.0, rel=0.1)
+    times = paired.times(entries, torch.device("cuda"), gpu=True, samples=10, slice_ms=1.0)
+    assert paired.ratio(times, "twice", "base") == pytest.approx(2.0, rel=0.1)
     assert 0.05 < statistics.median(times["base"]) < 0.2
