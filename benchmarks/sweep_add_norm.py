@@ -1,7 +1,7 @@
 """Launch settings of the triton add + norm kernels, side by side with Liger and plain PyTorch: each
 variant sets ``dispatch.backends.triton.add_norm``'s constants (elements a thread, programs an SM, the
 tile), and every variant is timed on the GPU clock (do_bench_cudagraph) in interleaved rounds, forward
-(no_grad) and backward (the gradients from a kept graph) apart, at the widths and token counts of
+(no_grad) and forward+backward apart, at the widths and token counts of
 bench_add_norm. Last, per mode and width, the fastest variant by token count.
 
     python benchmarks/sweep_add_norm.py [--out DIR] [--variants base,p1,...] [--budget-s 240]
@@ -30,7 +30,7 @@ VARIANTS = {
     "p1t1024": dict(PROGRAMS_PER_SM=1, TILE=1024),
     "t8192": dict(TILE=8192),
 }
-MODES = ("forward", "backward")
+MODES = ("forward", "forward+backward")  # backward alone: its kept graph cannot be captured
 
 
 def use(constants: dict) -> None:
