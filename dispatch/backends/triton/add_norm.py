@@ -44,7 +44,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_BLOCK_N = 8192
 WIDE_BLOCK_N = 4096
 TILE = 4096
-FORWARD_PER_THREAD, BACKWARD_PER_THREAD, MAX_WARPS = 16, 8, 16
+FORWARD_PER_THREAD, BACKWARD_PER_THREAD, MAX_WARPS = 16, 16, 16
+LAYER_BACKWARD_PER_THREAD = 8  # LayerNorm's backward also accumulates db (16 not timed for it)
 PROGRAMS_PER_SM = 2  # backward: programs looping over rows, each writing one partial dw row
 CPU_PROGRAMS = 4  # the interpreter: a few programs, so tests cross the partial sums
 
@@ -65,9 +66,11 @@ class Config(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def config(m_bucket: int, n: int, backward: bool) -> Config:
+def config(m_bucket: int, n: int, backward: bool, layer: bool = False) -> Config:
     """Tile for rows of N, ``m_bucket`` = min(next_power_of_2(M), TILE) (so M is not a cache key)."""
-    per_thread = BACKWARD_PER_THREAD if backward else FORWARD_PER_THREAD
+    per_thread = FORWARD_PER_THREAD
+    if backward:
+        per_thread = LAYER_BACKWARD_PER_THREAD if layer else BACKWARD_PER_THREAD
     if n > MAX_BLOCK_N:
         return Config(1, WIDE_BLOCK_N, min(MAX_WARPS, WIDE_BLOCK_N // (32 * per_thread)), True)
     block_n = _next_power_of_2(n)
@@ -75,8 +78,8 @@ def config(m_bucket: int, n: int, backward: bool) -> Config:
     return Config(block_m, block_n, min(MAX_WARPS, max(1, block_m * block_n // (32 * per_thread))), False)
 
 
-def _config(m: int, n: int, backward: bool) -> Config:
-    return config(min(_next_power_of_2(m), TILE), n, backward)
+def _config(m: int, n: int, backward: bool, layer: bool = False) -> Config:
+    return config(min(_next_power_of_2(m), TILE), n, backward, layer)
 
 
 @functools.cache
@@ -190,7 +193,7 @@ def add_norm_backward(
         return dx, dw, db
     dy, h, weight = _unit_columns(dy), _unit_columns(h), weight.contiguous()
     dh_out = None if dh_out is None else _unit_columns(dh_out)
-    cfg = _config(m, n, True)
+    cfg = _config(m, n, True, kind == "layer")
     programs, rows = _split(m, cfg.block_m, h.device)
     direct = programs == 1 and not cfg.wide  # one program writes dw and db themselves
     new = torch.zeros if cfg.wide else torch.empty  # the wide kernel adds into its partial rows
