@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from dispatch import select
 from dispatch.api import explain, fused_add_layer_norm, fused_add_rms_norm
 from dispatch.ops.add_norm import baseline, module_call
+from dispatch.nn.layers import device_key
 from dispatch.select import Decision
 
 _compiling = torch.compiler.is_compiling
@@ -68,7 +69,7 @@ class _Norm(nn.Module):
                              f"{type(self).__name__}, got x of shape {tuple(x.shape)}")  # fmt: skip
         if _one_dtype(x, residual, self.weight, self.bias):
             grad = self._needs_grad(x, residual)
-            probe = (x.shape, x.dtype, x.device, grad)
+            probe = (x.shape, x.dtype, device_key(x), grad)  # device_key: no device object (nn.layers)
             if not _compiling() and self._memo.plain(probe, lambda: module_call(x, self.norm, grad)):
                 y, h = baseline(x, residual, self.weight, self.bias, self.eps, self.norm, self.offset)
             else:
