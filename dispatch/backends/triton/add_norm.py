@@ -35,17 +35,17 @@ KINDS = ("rms", "layer")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # ----------------------------------------------------------------------------- launch settings
-# Not yet timed on a GPU (benchmarks/bench_add_norm.py is the harness). A row up to MAX_BLOCK_N lives
-# whole in registers; narrow rows share a program's TILE-element tile (N = 896: 4 rows); wider rows
-# (12288, 16384) go in WIDE_BLOCK_N chunks, one row at a time. Elements a thread, from sm_90 builds
-# (ptxas of triton 3.6 and 3.9, bf16, N = 896 to 8192): forward 16, 58-106 registers, no spills but
-# 16 B at N = 8192; backward 8: at 16 its float32 dw / db accumulators took 148-188 registers (one
-# 8-warp block an SM), at 8 64-107 (16 warps); N = 8192 spills 8-24 B a thread backward.
+# A row up to MAX_BLOCK_N lives whole in registers; narrow rows share a program's TILE-element tile
+# (N = 896: 4 rows); wider rows (12288, 16384) go in WIDE_BLOCK_N chunks, one row at a time. Elements
+# a thread (sm_90 builds, triton 3.6 / 3.9, bf16, N = 896 to 8192): forward 16, 58-106 registers.
+# RMSNorm's backward 16 (8 warps a 4 x 1024 tile, 148-188 registers): the fastest of eight settings
+# or within 1% on every row (benchmarks/sweep_add_norm.py, H100), 1024 x 896 fwd+bwd 11.9 us against
+# 18.4 at 8 (16 warps). LayerNorm's keeps 8: its db accumulator too, 16 not timed for it.
 MAX_BLOCK_N = 8192
 WIDE_BLOCK_N = 4096
 TILE = 4096
 FORWARD_PER_THREAD, BACKWARD_PER_THREAD, MAX_WARPS = 16, 16, 16
-LAYER_BACKWARD_PER_THREAD = 8  # LayerNorm's backward also accumulates db (16 not timed for it)
+LAYER_BACKWARD_PER_THREAD = 8
 PROGRAMS_PER_SM = 2  # backward: programs looping over rows, each writing one partial dw row
 CPU_PROGRAMS = 4  # the interpreter: a few programs, so tests cross the partial sums
 
