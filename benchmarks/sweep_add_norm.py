@@ -22,11 +22,10 @@ from dispatch.backends.triton import add_norm as kernels
 # name -> constants of dispatch.backends.triton.add_norm (the rest as shipped)
 VARIANTS = {
     "base": {},
+    "b8": dict(BACKWARD_PER_THREAD=8),  # the setting before 2026-12-06's sweep
+    "u16": dict(UNTIMED_BACKWARD_PER_THREAD=16),  # LayerNorm and rows past 4096 at 16 a thread too
     "p1": dict(PROGRAMS_PER_SM=1),
-    "b16": dict(BACKWARD_PER_THREAD=16),
-    "p1b16": dict(PROGRAMS_PER_SM=1, BACKWARD_PER_THREAD=16),
     "t2048": dict(TILE=2048),
-    "p1t2048": dict(PROGRAMS_PER_SM=1, TILE=2048),
     "p1t1024": dict(PROGRAMS_PER_SM=1, TILE=1024),
     "t8192": dict(TILE=8192),
 }
@@ -41,7 +40,10 @@ def use(constants: dict) -> None:
     kernels._programs_cap.cache_clear()
 
 
-SHIPPED = {k: getattr(kernels, k) for k in ("FORWARD_PER_THREAD", "BACKWARD_PER_THREAD", "PROGRAMS_PER_SM", "TILE")}
+SHIPPED = {
+    k: getattr(kernels, k)
+    for k in ("FORWARD_PER_THREAD", "BACKWARD_PER_THREAD", "UNTIMED_BACKWARD_PER_THREAD", "PROGRAMS_PER_SM", "TILE")
+}
 
 
 

@@ -40,12 +40,13 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # a thread (sm_90 builds, triton 3.6 / 3.9, bf16, N = 896 to 8192): forward 16, 58-106 registers.
 # RMSNorm's backward 16 (8 warps a 4 x 1024 tile, 148-188 registers): the fastest of eight settings
 # or within 1% on every row (benchmarks/sweep_add_norm.py, H100), 1024 x 896 fwd+bwd 11.9 us against
-# 18.4 at 8 (16 warps). LayerNorm's keeps 8: its db accumulator too, 16 not timed for it.
+# 18.4 at 8 (16 warps), for rows up to 4096. LayerNorm's (a db accumulator too) and rows past 4096
+# (at 8, N = 8192 already spilled 8-24 B a thread) keep 8 until timed at 16.
 MAX_BLOCK_N = 8192
 WIDE_BLOCK_N = 4096
 TILE = 4096
 FORWARD_PER_THREAD, BACKWARD_PER_THREAD, MAX_WARPS = 16, 16, 16
-LAYER_BACKWARD_PER_THREAD = 8
+UNTIMED_BACKWARD_PER_THREAD = 8
 PROGRAMS_PER_SM = 2  # backward: programs looping over rows, each writing one partial dw row
 CPU_PROGRAMS = 4  # the interpreter: a few programs, so tests cross the partial sums
 
@@ -70,7 +71,8 @@ def config(m_bucket: int, n: int, backward: bool, layer: bool = False) -> Config
     """Tile for rows of N, ``m_bucket`` = min(next_power_of_2(M), TILE) (so M is not a cache key)."""
     per_thread = FORWARD_PER_THREAD
     if backward:
-        per_thread = LAYER_BACKWARD_PER_THREAD if layer else BACKWARD_PER_THREAD
+        timed = not layer and n <= TILE  # where 16 a thread was measured
+        per_thread = BACKWARD_PER_THREAD if timed else UNTIMED_BACKWARD_PER_THREAD
     if n > MAX_BLOCK_N:
         return Config(1, WIDE_BLOCK_N, min(MAX_WARPS, WIDE_BLOCK_N // (32 * per_thread)), True)
     block_n = _next_power_of_2(n)
