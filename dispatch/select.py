@@ -198,21 +198,26 @@ class Memo:
     (``dispatch.nn``): ``plain(probe, make_call)`` decides again only when ``probe`` (what the module's
     call key is made of: shape, dtype, device, grad, mode), the ``use_backend`` request or the caches'
     generation changed. Building a call's key and looking it up costs ~2.5 us a call on a 2-core CPU,
-    a repeated probe ~0.5 us. Copies and pickles start empty."""
+    a repeated probe ~0.5 us. The probe and its decision are one tuple, replaced whole (threads calling
+    one module never pair a probe with another's decision). Copies and pickles start empty."""
 
-    __slots__ = ("probe", "found")
+    __slots__ = ("entry",)
 
     def __init__(self) -> None:
-        self.probe: Optional[tuple] = None
-        self.found: Optional[Decision] = None
+        self.entry: Optional[tuple[tuple, Decision]] = None
+
+    @property
+    def found(self) -> Optional[Decision]:
+        """The decision kept, if any."""
+        return None if self.entry is None else self.entry[1]
 
     def plain(self, probe: tuple, make_call: Callable[[], Call]) -> bool:
         """Whether the call ``make_call()`` makes runs on plain PyTorch, as ``plain_pytorch``."""
         probe = (probe, _requested.get(), _generation)
-        found = self.found
-        if probe != self.probe or found is None:
-            found = self.found = decision(key(make_call(), None))
-            self.probe = probe
+        entry = self.entry
+        if entry is None or entry[0] != probe:
+            entry = self.entry = (probe, decision(key(make_call(), None)))
+        found = entry[1]
         if found.captured is not None and torch.cuda.is_current_stream_capturing():
             return found.captured.name == "pytorch"
         return found.backend.name == "pytorch"

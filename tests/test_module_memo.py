@@ -90,3 +90,11 @@ def test_copies_and_pickles_start_empty_and_still_decide():
         assert torch.equal(twin(x), m(x))
     twin_norm = copy.deepcopy(norm)
     assert twin_norm._memo.found is None and torch.equal(twin_norm(x), norm(x))
+
+
+def test_the_probe_and_its_decision_are_kept_as_one_pair():
+    m = mlp()
+    for rows in (3, 5):
+        m(torch.randn(rows, 8))
+        (probe, _, _), found = m._memo.entry
+        assert probe[0] == (rows, 8) and found.call.shape[0] == rows
