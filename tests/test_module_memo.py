@@ -59,7 +59,7 @@ def test_emptied_caches_and_a_new_environment_are_seen(monkeypatch):
         select.clear_cache()
 
 
-@pytest.mark.parametrize("change", ["shape", "dtype", "grad", "mode"])
+@pytest.mark.parametrize("change", ["shape", "dtype", "grad", "mode", "dropout"])
 def test_the_call_key_is_made_again_when_the_input_or_mode_changes(change, monkeypatch):
     m, x = mlp(), torch.randn(3, 8)
     made = []
@@ -75,8 +75,11 @@ def test_the_call_key_is_made_again_when_the_input_or_mode_changes(change, monke
     elif change == "grad":
         with torch.no_grad():
             m(x)
-    else:
+    elif change == "mode":
         m.eval()(x)
+    else:
+        m.p = 0.1
+        m(x)
     assert len(made) == 2
 
 

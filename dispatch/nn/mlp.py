@@ -206,7 +206,7 @@ class FusedMLP(nn.Module):
             self._width(x)
         else:
             grad = self._grad(x)
-            probe = (x.shape, x.dtype, device_key(x), dtype, grad, self.training)
+            probe = (x.shape, x.dtype, device_key(x), dtype, grad, self.training, self.p, self.p_out)
             if self._memo.plain(probe, lambda: self._call(self._width(x), dtype, grad)):
                 return self.module_forward(x)
         if dtype is not None:
