@@ -1,0 +1,76 @@
+"""The host cost a patched MLP block adds where plain PyTorch is picked: bench_judge's blocks at a few
+tokens (the host binds), wall clock, paired samples (``dispatch.paired``). Entries per (model, mode):
+  plain      the block as the model defines it
+  patched    dispatch.patch's FusedMLP, deciding (its memo, the table) and then running the module
+  floor      the same FusedMLP's module_forward called directly: its layers without the decision
+On the CPU (the default here) every block's pick is plain PyTorch under ``use_backend("pytorch")``, so
+patched - floor is the decision's own cost.
+
+    python benchmarks/bench_module_host.py [--out DIR] [--tokens 4] [--samples 300] [--models a,b]
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import bench_judge as judge
+import common
+import torch
+from tabulate import tabulate
+
+from dispatch import paired, use_backend
+
+MODELS = ("pythia-1.4b", "llama-3.2-1b", "siglip-so400m", "qwen3-0.6b")
+
+
+def row(name: str, tokens: int, mode: str, args, device: torch.device) -> dict:
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    plain = judge.build(name, device, dtype, device.type == "cpu")
+    fused = judge.patched(plain)
+    training = mode == "training"
+    plain.train(training), fused.train(training)
+    x = torch.randn(tokens, fused.in_features, device=device, dtype=dtype, requires_grad=training)
+    gy = torch.randn(tokens, fused.in_features, device=device, dtype=dtype)
+
+    class Floor(torch.nn.Module):  # the module's own layers, no decision
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = fused
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner.module_forward(x)
+
+    floor = Floor().train(training)
+    with use_backend("pytorch"):
+        runs = {n: judge.step(m, x, gy, mode) for n, m in (("plain", plain), ("patched", fused), ("floor", floor))}
+        for fn in runs.values():
+            fn()
+        times = paired.times(runs, device, gpu=False, samples=args.samples, slice_ms=args.slice_ms)
+    out = {"model": name, "tokens": tokens, "mode": mode}
+    for n in runs:
+        out[f"us:{n}"] = statistics.median(times[n]) * 1e3
+        out[f"x:{n}"] = paired.ratio(times, n, "plain")
+    return out
+
+
+def main() -> None:
+    p = common.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=4)
+    p.add_argument("--samples", type=int, default=300)
+    p.add_argument("--slice-ms", type=float, default=1.0)
+    p.add_argument("--models", default=",".join(MODELS))
+    args = p.parse_args()
+    device = common.setup(args)
+    with common.logged(args, "module_host"):
+        rows = [row(n, args.tokens, mode, args, device) for n in args.models.split(",")
+                for mode in ("training", "inference")]  # fmt: skip
+        common.write(args, "module_host", {"rows": rows}, device)
+        heads = ["model", "mode", "plain us", "patched us", "floor us", "patched / plain", "floor / plain",
+                 "decision us"]  # fmt: skip
+        table = [[r["model"], r["mode"], r["us:plain"], r["us:patched"], r["us:floor"], r["x:patched"],
+                  r["x:floor"], r["us:patched"] - r["us:floor"]] for r in rows]  # fmt: skip
+        print(tabulate(table, headers=heads, floatfmt=".3f"))
+
+
+if __name__ == "__main__":
+    main()
