@@ -101,3 +101,16 @@ def test_the_probe_and_its_decision_are_kept_as_one_pair():
         m(torch.randn(rows, 8))
         (probe, _, _), found = m._memo.entry
         assert probe[0] == (rows, 8) and found.call.shape[0] == rows
+
+
+def test_device_type_and_key_without_a_device_object_agree_with_it():
+    from dispatch.nn.layers import _device_type, device_key
+
+    for t in (torch.empty(2), torch.empty(2, device="meta")):
+        assert _device_type(t) == t.device.type
+    assert device_key(torch.empty(2)) == -1
+    meta = torch.empty(2, device="meta")
+    assert device_key(meta) == meta.device and device_key(meta) != device_key(torch.empty(2))
+    if torch.cuda.is_available():
+        cuda = torch.empty(2, device="cuda")
+        assert _device_type(cuda) == "cuda" and device_key(cuda) == cuda.device.index
