@@ -5,12 +5,11 @@ Nothing happens at import."""
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from dispatch.timing import Fn, elapsed_ms, rotations, synchronize
+from dispatch.timing import Fn, back_to_back_ms, elapsed_ms, rotations, synchronize
 
 
 def times(
@@ -29,7 +28,7 @@ def times(
         raise ValueError(f"paired.times: gpu=True needs a CUDA device, got {device}")
     per_call = {name: _call_ms(fn, device, gpu) for name, fn in entries.items()}
     count = {name: max(1, min(1000, round(slice_ms / max(ms, 1e-4)))) for name, ms in per_call.items()}
-    run = {name: _unrolled(entries[name], count[name], gpu) for name in names}
+    run = {name: _unrolled(entries[name], count[name], gpu, device) for name in names}
     times: dict[str, list[Optional[object]]] = {name: [None] * samples for name in names}
     for i, name in rotations(names, samples):
         times[name][i] = run[name]()
@@ -45,38 +44,25 @@ def ratio(times: Mapping[str, Sequence[float]], name: str, base: str) -> float:
 
 
 def _call_ms(fn: Fn, device: torch.device, gpu: bool, calls: int = 3) -> float:
-    """A rough time per call: ``calls`` calls between two events (gpu) or synchronizations."""
+    """A rough time per call: ``calls`` calls between two events (gpu), or back to back."""
+    if not gpu:
+        return back_to_back_ms(fn, (), calls, device)
     synchronize(device)
-    if gpu:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / calls
-    begin = time.perf_counter()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     for _ in range(calls):
         fn()
-    synchronize(device)
-    return (time.perf_counter() - begin) * 1e3 / calls
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
 
 
-def _unrolled(fn: Fn, count: int, gpu: bool) -> Callable[[], object]:
+def _unrolled(fn: Fn, count: int, gpu: bool, device: torch.device) -> Callable[[], object]:
     """A slice of ``count`` calls of ``fn``. gpu: captured once into a CUDA graph (after warm-up calls
     on a side stream, as capture requires); each slice one replay between two events, returned as the
-    pair. Otherwise each slice's wall seconds, synchronized on both sides."""
+    pair. Otherwise each slice's wall milliseconds, back to back (``timing.back_to_back_ms``)."""
     if not gpu:
-
-        def timed() -> float:
-            synchronize()
-            begin = time.perf_counter()
-            for _ in range(count):
-                fn()
-            synchronize()
-            return time.perf_counter() - begin
-
-        return lambda: timed() * 1e3
+        return lambda: back_to_back_ms(fn, (), count, device) * count
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -183,16 +183,6 @@ def _request(argument: Optional[str], context: Optional[str]) -> tuple[Optional[
     return _env_backend, ENV_VAR
 
 
-def plain_pytorch(call: Call) -> bool:
-    """Whether calls like ``call``, with no backend argument, run on plain PyTorch (the pytorch backend)
-    by the current request, table and capture state: a module that can run its own PyTorch forward
-    (``dispatch.nn.FusedMLP``) then runs that. One cached decision."""
-    found = decision(key(call, None))
-    if found.captured is not None and torch.cuda.is_current_stream_capturing():
-        return found.captured.name == "pytorch"
-    return found.backend.name == "pytorch"
-
-
 class Memo:
     """A module's last decision, for modules that run their own PyTorch where plain PyTorch is picked
     (``dispatch.nn``): ``plain(probe, make_call)`` decides again only when ``probe`` (what the module's
@@ -212,7 +202,8 @@ class Memo:
         return None if self.entry is None else self.entry[1]
 
     def plain(self, probe: tuple, make_call: Callable[[], Call]) -> bool:
-        """Whether the call ``make_call()`` makes runs on plain PyTorch, as ``plain_pytorch``."""
+        """Whether calls like ``make_call()``'s, with no backend argument, run on plain PyTorch (the
+        pytorch backend) by the current request, table and capture state."""
         probe = (probe, _requested.get(), _generation)
         entry = self.entry
         if entry is None or entry[0] != probe:

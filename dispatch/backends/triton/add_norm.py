@@ -47,6 +47,7 @@ WIDE_BLOCK_N = 4096
 TILE = 4096
 FORWARD_PER_THREAD, BACKWARD_PER_THREAD, MAX_WARPS = 16, 16, 16
 UNTIMED_BACKWARD_PER_THREAD = 8
+BACKWARD_TIMED_MAX_N = 4096  # the widest row BACKWARD_PER_THREAD was timed at
 PROGRAMS_PER_SM = 2  # backward: programs looping over rows, each writing one partial dw row
 CPU_PROGRAMS = 4  # the interpreter: a few programs, so tests cross the partial sums
 
@@ -71,7 +72,7 @@ def config(m_bucket: int, n: int, backward: bool, layer: bool = False) -> Config
     """Tile for rows of N, ``m_bucket`` = min(next_power_of_2(M), TILE) (so M is not a cache key)."""
     per_thread = FORWARD_PER_THREAD
     if backward:
-        timed = not layer and n <= TILE  # where 16 a thread was measured
+        timed = not layer and n <= BACKWARD_TIMED_MAX_N
         per_thread = BACKWARD_PER_THREAD if timed else UNTIMED_BACKWARD_PER_THREAD
     if n > MAX_BLOCK_N:
         return Config(1, WIDE_BLOCK_N, min(MAX_WARPS, WIDE_BLOCK_N // (32 * per_thread)), True)
