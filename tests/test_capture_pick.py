@@ -111,3 +111,30 @@ def test_triton_first_called_inside_a_capture_replays_its_own_result(tmp_path):
     result = subprocess.run([sys.executable, "-c", _CAPTURE], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)  # fmt: skip
     assert result.returncode == 0 and "ok" in result.stdout, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+@pytest.mark.gpu
+def test_capturing_is_true_exactly_inside_a_capture():
+    """The capture question skips the driver on the default stream: it must still answer True inside
+    a graph capture (a side stream) and False on the default stream and on an idle side stream."""
+    assert not select.capturing()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert not select.capturing()
+    seen = []
+    graph = torch.cuda.CUDAGraph()
+    x = torch.ones(4, device="cuda")
+    with torch.cuda.graph(graph):
+        seen.append(select.capturing())
+        x.add_(1)
+    assert seen == [True]
+    torch.cuda._sleep(10_000_000)  # kernels queued on the default stream: still not capturing
+    assert not select.capturing()
+    torch.cuda.synchronize()
+
+
+def test_capturing_is_false_without_cuda():
+    """On a machine without a GPU the question answers False (no CUDA stream exists to capture on)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the gpu test covers it")
+    assert select.capturing() is False
