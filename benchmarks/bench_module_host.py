@@ -4,14 +4,18 @@ tokens (the host binds), wall clock, paired samples (``dispatch.paired``). Entri
   patched    dispatch.patch's FusedMLP, deciding (its memo, the table) and then running the module
   floor      the same FusedMLP's module_forward called directly: its layers without the decision
 On the CPU (the default here) every block's pick is plain PyTorch under ``use_backend("pytorch")``, so
-patched - floor is the decision's own cost.
+patched - floor is the decision's own cost. On a GPU the table decides (``--tokens`` where it picks plain
+PyTorch), and the run first times the capture question a decision with a capture pick asks every call
+(``torch.cuda.is_current_stream_capturing``), idle and with kernels queued.
 
     python benchmarks/bench_module_host.py [--out DIR] [--tokens 4] [--samples 300] [--models a,b]
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import timeit
 
 import bench_judge as judge
 import common
@@ -41,16 +45,27 @@ def row(name: str, tokens: int, mode: str, args, device: torch.device) -> dict:
             return self.inner.module_forward(x)
 
     floor = Floor().train(training)
-    with use_backend("pytorch"):
+    with use_backend("pytorch") if device.type == "cpu" else contextlib.nullcontext():
         runs = {n: judge.step(m, x, gy, mode) for n, m in (("plain", plain), ("patched", fused), ("floor", floor))}
         for fn in runs.values():
             fn()
         times = paired.times(runs, device, gpu=False, samples=args.samples, slice_ms=args.slice_ms)
-    out = {"model": name, "tokens": tokens, "mode": mode}
+    out = {"model": name, "tokens": tokens, "mode": mode, "picked": fused._memo.found.backend.name,
+           "capture_pick": getattr(fused._memo.found.captured, "name", None)}
     for n in runs:
         out[f"us:{n}"] = statistics.median(times[n]) * 1e3
         out[f"x:{n}"] = paired.ratio(times, n, "plain")
     return out
+
+
+def capture_question_us(device: torch.device, calls: int = 2000) -> str:
+    """The host cost of one ``is_current_stream_capturing`` call, idle and behind a queued GPU sleep."""
+    torch.cuda.synchronize(device)
+    idle = timeit.timeit(torch.cuda.is_current_stream_capturing, number=calls) / calls * 1e6
+    torch.cuda._sleep(int(2e9))  # ~1 s of GPU work queued
+    busy = timeit.timeit(torch.cuda.is_current_stream_capturing, number=calls) / calls * 1e6
+    torch.cuda.synchronize(device)
+    return f"is_current_stream_capturing: {idle:.2f} us idle, {busy:.2f} us with a kernel queued"
 
 
 def main() -> None:
@@ -62,12 +77,14 @@ def main() -> None:
     args = p.parse_args()
     device = common.setup(args)
     with common.logged(args, "module_host"):
+        if device.type == "cuda":
+            print(capture_question_us(device))
         rows = [row(n, args.tokens, mode, args, device) for n in args.models.split(",")
                 for mode in ("training", "inference")]  # fmt: skip
         common.write(args, "module_host", {"rows": rows}, device)
-        heads = ["model", "mode", "plain us", "patched us", "floor us", "patched / plain", "floor / plain",
+        heads = ["model", "mode", "pick", "plain us", "patched us", "floor us", "patched / plain", "floor / plain",
                  "decision us"]  # fmt: skip
-        table = [[r["model"], r["mode"], r["us:plain"], r["us:patched"], r["us:floor"], r["x:patched"],
+        table = [[r["model"], r["mode"], f"{r['picked']}/{r['capture_pick']}", r["us:plain"], r["us:patched"], r["us:floor"], r["x:patched"],
                   r["x:floor"], r["us:patched"] - r["us:floor"]] for r in rows]  # fmt: skip
         print(tabulate(table, headers=heads, floatfmt=".3f"))
 
