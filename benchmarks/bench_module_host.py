@@ -46,7 +46,8 @@ def row(name: str, tokens: int, mode: str, args, device: torch.device) -> dict:
 
     floor = Floor().train(training)
     with use_backend("pytorch") if device.type == "cpu" else contextlib.nullcontext():
-        runs = {n: judge.step(m, x, gy, mode) for n, m in (("plain", plain), ("patched", fused), ("floor", floor))}
+        entries = (("plain", plain), ("patched", fused), ("floor", floor))
+        runs = {n: judge.step(m, x, gy, mode) for n, m in entries}
         for fn in runs.values():
             fn()
         times = paired.times(runs, device, gpu=False, samples=args.samples, slice_ms=args.slice_ms)
@@ -82,10 +83,11 @@ def main() -> None:
         rows = [row(n, args.tokens, mode, args, device) for n in args.models.split(",")
                 for mode in ("training", "inference")]  # fmt: skip
         common.write(args, "module_host", {"rows": rows}, device)
-        heads = ["model", "mode", "pick", "plain us", "patched us", "floor us", "patched / plain", "floor / plain",
-                 "decision us"]  # fmt: skip
-        table = [[r["model"], r["mode"], f"{r['picked']}/{r['capture_pick']}", r["us:plain"], r["us:patched"], r["us:floor"], r["x:patched"],
-                  r["x:floor"], r["us:patched"] - r["us:floor"]] for r in rows]  # fmt: skip
+        heads = ["model", "mode", "pick", "plain us", "patched us", "floor us", "patched / plain",
+                 "floor / plain", "decision us"]  # fmt: skip
+        table = [[r["model"], r["mode"], f"{r['picked']}/{r['capture_pick']}", r["us:plain"], r["us:patched"],
+                  r["us:floor"], r["x:patched"], r["x:floor"], r["us:patched"] - r["us:floor"]]
+                 for r in rows]  # fmt: skip
         print(tabulate(table, headers=heads, floatfmt=".3f"))
 
 

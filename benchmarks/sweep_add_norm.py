@@ -23,13 +23,16 @@ from dispatch.backends.triton import add_norm as kernels
 VARIANTS = {
     "base": {},
     "b8": dict(BACKWARD_PER_THREAD=8),  # the setting before 2026-12-06's sweep
-    "u16": dict(UNTIMED_BACKWARD_PER_THREAD=16),  # LayerNorm and rows past 4096 at 16 a thread too
+    "u16": dict(UNTIMED_BACKWARD_PER_THREAD=16),  # rows past 4096 at 16 a thread too
     "p1": dict(PROGRAMS_PER_SM=1),
     "t2048": dict(TILE=2048),
     "p1t1024": dict(PROGRAMS_PER_SM=1, TILE=1024),
     "t8192": dict(TILE=8192),
 }
 MODES = ("forward", "forward+backward")  # backward alone: its kept graph cannot be captured
+TUNED = ("FORWARD_PER_THREAD", "BACKWARD_PER_THREAD", "UNTIMED_BACKWARD_PER_THREAD", "PROGRAMS_PER_SM",
+         "TILE")
+SHIPPED = {k: getattr(kernels, k) for k in TUNED}
 
 
 def use(constants: dict) -> None:
@@ -38,13 +41,6 @@ def use(constants: dict) -> None:
         setattr(kernels, name, value)
     kernels.config.cache_clear()
     kernels._programs_cap.cache_clear()
-
-
-SHIPPED = {
-    k: getattr(kernels, k)
-    for k in ("FORWARD_PER_THREAD", "BACKWARD_PER_THREAD", "UNTIMED_BACKWARD_PER_THREAD", "PROGRAMS_PER_SM", "TILE")
-}
-
 
 
 def row(m: int, n: int, kind: str, mode: str, names: list[str], args, device) -> dict:
