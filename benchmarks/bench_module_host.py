@@ -3,10 +3,12 @@ tokens (the host binds), wall clock, paired samples (``dispatch.paired``). Entri
   plain      the block as the model defines it
   patched    dispatch.patch's FusedMLP, deciding (its memo, the table) and then running the module
   floor      the same FusedMLP's module_forward called directly: its layers without the decision
-On the CPU (the default here) every block's pick is plain PyTorch under ``use_backend("pytorch")``, so
-patched - floor is the decision's own cost. On a GPU the table decides (``--tokens`` where it picks plain
-PyTorch), and the run first times the capture question a decision with a capture pick asks every call
-(``torch.cuda.is_current_stream_capturing``), idle and with kernels queued.
+Two passes on a GPU: with its table (``--tokens`` where it picks plain PyTorch; a block whose table
+names another backend at some M keeps its memo), and with every table hidden (bench_judge.no_tables),
+where a block's only pick is plain PyTorch and it runs module_forward after two identity tests
+(``dispatch.memo.plain_token``). On a CPU the no-table pass alone. A GPU run first times the capture question
+a decision with a capture pick asks every call (``torch.cuda.is_current_stream_capturing``), idle and
+with kernels queued.
 
     python benchmarks/bench_module_host.py [--out DIR] [--tokens 4] [--samples 300] [--models a,b]
 """
@@ -22,12 +24,12 @@ import common
 import torch
 from tabulate import tabulate
 
-from dispatch import paired, use_backend
+from dispatch import paired
 
 MODELS = ("pythia-1.4b", "llama-3.2-1b", "siglip-so400m", "qwen3-0.6b")
 
 
-def row(name: str, tokens: int, mode: str, args, device: torch.device) -> dict:
+def row(name: str, tokens: int, mode: str, args, device: torch.device, table: bool) -> dict:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     plain = judge.build(name, device, dtype, device.type == "cpu")
     fused = judge.patched(plain)
@@ -45,14 +47,15 @@ def row(name: str, tokens: int, mode: str, args, device: torch.device) -> dict:
             return self.inner.module_forward(x)
 
     floor = Floor().train(training)
-    with use_backend("pytorch") if device.type == "cpu" else contextlib.nullcontext():
+    with contextlib.nullcontext() if table else judge.no_tables():
         entries = (("plain", plain), ("patched", fused), ("floor", floor))
         runs = {n: judge.step(m, x, gy, mode) for n, m in entries}
         for fn in runs.values():
             fn()
         times = paired.times(runs, device, gpu=False, samples=args.samples, slice_ms=args.slice_ms)
-    out = {"model": name, "tokens": tokens, "mode": mode, "picked": fused._memo.found.backend.name,
-           "capture_pick": getattr(fused._memo.found.captured, "name", None)}
+    found = fused._memo.found
+    out = {"model": name, "tokens": tokens, "mode": mode, "table": table, "picked": found.backend.name,
+           "capture_pick": getattr(found.captured, "name", None), "plain_path": fused._memo.token is not None}
     for n in runs:
         out[f"us:{n}"] = statistics.median(times[n]) * 1e3
         out[f"x:{n}"] = paired.ratio(times, n, "plain")
@@ -80,13 +83,16 @@ def main() -> None:
     with common.logged(args, "module_host"):
         if device.type == "cuda":
             print(capture_question_us(device))
-        rows = [row(n, args.tokens, mode, args, device) for n in args.models.split(",")
-                for mode in ("training", "inference")]  # fmt: skip
+        passes = (True, False) if device.type == "cuda" else (False,)
+        rows = [row(n, args.tokens, mode, args, device, table) for table in passes
+                for n in args.models.split(",") for mode in ("training", "inference")]  # fmt: skip
         common.write(args, "module_host", {"rows": rows}, device)
-        heads = ["model", "mode", "pick", "plain us", "patched us", "floor us", "patched / plain",
-                 "floor / plain", "decision us"]  # fmt: skip
-        table = [[r["model"], r["mode"], f"{r['picked']}/{r['capture_pick']}", r["us:plain"], r["us:patched"],
-                  r["us:floor"], r["x:patched"], r["x:floor"], r["us:patched"] - r["us:floor"]]
+        heads = ["model", "mode", "tables", "pick", "path", "plain us", "patched us", "floor us",
+                 "patched / plain", "floor / plain", "decision us"]  # fmt: skip
+        table = [[r["model"], r["mode"], "shipped" if r["table"] else "hidden",
+                  f"{r['picked']}/{r['capture_pick']}", "plain" if r["plain_path"] else "memo",
+                  r["us:plain"], r["us:patched"], r["us:floor"], r["x:patched"], r["x:floor"],
+                  r["us:patched"] - r["us:floor"]]
                  for r in rows]  # fmt: skip
         print(tabulate(table, headers=heads, floatfmt=".3f"))
 

@@ -203,43 +203,6 @@ def _request(argument: Optional[str], context: Optional[str]) -> tuple[Optional[
     return _env_backend, ENV_VAR
 
 
-class Memo:
-    """A module's last decision, for modules that run their own PyTorch where plain PyTorch is picked
-    (``dispatch.nn``): ``plain(probe, make_call)`` decides again only when ``probe`` (what the module's
-    call key is made of: shape, dtype, device, grad, mode), the ``use_backend`` request or the caches'
-    generation changed. Building a call's key and looking it up costs ~2.5 us a call on a 2-core CPU,
-    a repeated probe ~0.5 us. The probe and its decision are one tuple, replaced whole (threads calling
-    one module never pair a probe with another's decision). Copies and pickles start empty."""
-
-    __slots__ = ("entry",)
-
-    def __init__(self) -> None:
-        self.entry: Optional[tuple[tuple, Decision]] = None
-
-    @property
-    def found(self) -> Optional[Decision]:
-        """The decision kept, if any."""
-        return None if self.entry is None else self.entry[1]
-
-    def plain(self, probe: tuple, make_call: Callable[[], Call]) -> bool:
-        """Whether calls like ``make_call()``'s, with no backend argument, run on plain PyTorch (the
-        pytorch backend) by the current request, table and capture state."""
-        probe = (probe, _requested.get(), _generation)
-        entry = self.entry
-        if entry is None or entry[0] != probe:
-            entry = self.entry = (probe, decision(key(make_call(), None)))
-        found = entry[1]
-        if found.captured is not None and capturing():
-            return found.captured.name == "pytorch"
-        return found.backend.name == "pytorch"
-
-    def __deepcopy__(self, memo: dict) -> "Memo":
-        return Memo()
-
-    def __reduce__(self) -> tuple:
-        return (Memo, ())
-
-
 def explain_call(call: Call, backend: Optional[str]) -> Decision:
     """The uncached decision for ``call`` with the ``backend=`` argument ``backend``."""
     return decide(call, *_request(backend, _requested.get()))
@@ -256,9 +219,17 @@ def clear_cache() -> None:
 
 
 def _new_generation() -> None:
-    """The caches were emptied: every ``Memo`` decides again."""
-    global _generation
+    """The caches were emptied: every ``Memo`` decides again, every armed module (``plain_token``) too."""
+    global _generation, _plain_token
     _generation += 1
+    _plain_token = object()
+    _plain_only.clear()
+
+
+# Valid while it is this object: a module armed with it (``plain_token``) runs its own forward with no
+# decision per call. Replaced whenever the caches are emptied (clear_cache, spec_masks, a full cache).
+_plain_token = object()
+_plain_only: dict[tuple, bool] = {}  # (op, device, traits) -> whether plain PyTorch is the only pick
 
 
 def cached_calls() -> list[Call]:

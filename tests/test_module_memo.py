@@ -1,4 +1,4 @@
-"""dispatch.nn modules keep their last decision (select.Memo) and decide again whenever what it was made
+"""dispatch.nn modules keep their last decision (dispatch.memo.Memo) and decide again whenever what it was made
 from changes: the input's shape, dtype or grad, the mode, use_backend, or the caches being emptied."""
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def test_emptied_caches_and_a_new_environment_are_seen(monkeypatch):
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype", "grad", "mode", "dropout"])
+@use_backend("pytorch")  # with no table on this CPU a module skips the memo (tests/test_plain_path.py)
 def test_the_call_key_is_made_again_when_the_input_or_mode_changes(change, monkeypatch):
     m, x = mlp(), torch.randn(3, 8)
     made = []
@@ -95,6 +96,7 @@ def test_copies_and_pickles_start_empty_and_still_decide():
     assert twin_norm._memo.found is None and torch.equal(twin_norm(x), norm(x))
 
 
+@use_backend("pytorch")
 def test_the_probe_and_its_decision_are_kept_as_one_pair():
     m = mlp()
     for rows in (3, 5):

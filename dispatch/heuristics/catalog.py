@@ -18,7 +18,7 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -150,6 +150,13 @@ def lookup(call: Call) -> Optional[Choice]:
     """The table's backend for ``call``, or None when no table covers it."""
     table, via = table_for(_normalize(call.device))
     return table.choose(call, via) if table is not None else None
+
+
+def backends_named(op: str, device: torch.device, traits: Mapping[str, object]) -> set[str]:
+    """Every backend the table serving ``device`` names for ``op`` in an entry whose traits include
+    ``traits`` (any dtype, mode, size, M), by either clock; empty where no table serves the device."""
+    table, _ = table_for(_normalize(device))
+    return set() if table is None else table.backends_named(op, traits)
 
 
 def why_no_choice(call: Call) -> str:

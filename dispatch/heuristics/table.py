@@ -13,7 +13,7 @@ import json
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 from dispatch.contracts.backend import Call
 from dispatch.heuristics.device import running_versions
@@ -154,6 +154,19 @@ class Table:
         where = f"heuristics table {self.slug}{via} ({self.path})"
         gpu = seg.gpu_backend if seg.gpu_backend != seg.backend else None
         return Choice(seg.backend, f"{where}: {key.label}, {'; '.join(notes)}", gpu)
+
+    def backends_named(self, op: str, traits: Mapping[str, object]) -> set[str]:
+        """Every backend a segment names, winner or winner by GPU time alone, in the entries of ``op``
+        whose traits include ``traits``."""
+        found = set()
+        for key, entries in self.index.items():
+            have = dict(key.traits)
+            if key.op != op or any(have.get(name, value) != value for name, value in traits.items()):
+                continue
+            for entry in entries.values():
+                for seg in entry.segments:
+                    found.update(filter(None, (seg.backend, seg.gpu_backend)))
+        return found
 
     def missing(self, call: Call, via: str = "") -> str:
         """Why the table has no cell for ``call`` (``choose`` gave None), for explain(): its calibration's

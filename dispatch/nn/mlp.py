@@ -11,12 +11,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dispatch import select
+from dispatch.memo import Memo
 from dispatch.api import fused_mlp
 from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS, GATED_NAMES, GATES
 from dispatch.nn.layers import FusedLinear, _autocast_dtype, _cast, _check_p, device_key, linear_layout
 from dispatch.ops.fused_mlp import module_call
 
 _compiling = torch.compiler.is_compiling
+_requested = select._requested.get  # the use_backend() request, None outside one
 
 
 def _features(layer: nn.Module, transposed: bool) -> tuple[int, int]:
@@ -166,7 +168,12 @@ class FusedMLP(nn.Module):
         for name, layer in layers.items():
             self.add_module(name, layer)
         object.__setattr__(self, "_act_fn", None)  # the table's torch function (a lambda: not kept, for pickle)
-        object.__setattr__(self, "_memo", select.Memo())  # the last call's decision
+        object.__setattr__(self, "_memo", Memo())  # the last call's decision
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001  (nn.Module's signature)
+        """Moving or casting the parameters drops the memo's plain token: the next call decides again."""
+        self._memo.token = None
+        return super()._apply(fn, recurse)
 
     def _operand(self, name: str, dtype: Optional[torch.dtype]) -> tuple[Tensor, Optional[Tensor]]:
         """A projection's (weight (out, in), bias), cast to ``dtype`` first when autocast gives one."""
@@ -199,12 +206,17 @@ class FusedMLP(nn.Module):
         return x
 
     def forward(self, x: Tensor) -> Tensor:
-        # The width is checked where a call's key is made: a probe the memo holds passed it. In a
-        # host-bound step every line here costs 3-5x its time alone (~1 us each on a 2-core CPU).
-        dtype = _autocast_dtype(x)
+        # With the memo's plain token (``memo.plain_token``: plain PyTorch is the only pick on this
+        # device) the block runs its own forward after two identity tests. Else the width is checked
+        # where a call's key is made: a probe the memo holds passed it. In a host-bound step every line
+        # here costs 3-5x its time alone (~1 us each on a 2-core CPU).
         if _compiling():
             self._width(x)
+            dtype = _autocast_dtype(x)
         else:
+            if self._memo.token is select._plain_token and _requested() is None:
+                return self.module_forward(x)
+            dtype = _autocast_dtype(x)
             grad = self._grad(x)
             probe = (x.shape, x.dtype, device_key(x), dtype, grad, self.training, self.p, self.p_out)
             if self._memo.plain(probe, lambda: self._call(self._width(x), dtype, grad)):

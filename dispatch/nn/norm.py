@@ -25,12 +25,14 @@ import torch
 from torch import Tensor, nn
 
 from dispatch import select
+from dispatch.memo import Memo
 from dispatch.api import explain, fused_add_layer_norm, fused_add_rms_norm
 from dispatch.ops.add_norm import baseline, module_call
 from dispatch.nn.layers import device_key
 from dispatch.select import Decision
 
 _compiling = torch.compiler.is_compiling
+_requested = select._requested.get  # the use_backend() request, None outside one
 
 
 def _one_dtype(x: Tensor, residual: Optional[Tensor], *params: Optional[Tensor]) -> bool:
@@ -46,7 +48,7 @@ class _Norm(nn.Module):
                  device: Optional[torch.device | str], dtype: Optional[torch.dtype]) -> None:  # fmt: skip
         super().__init__()
         self.hidden_size, self.eps, self.offset = hidden_size, float(eps), float(offset)
-        self._memo = select.Memo()  # the last call's decision
+        self._memo = Memo()  # the last call's decision
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - self.offset, **factory))
         if bias:
@@ -56,6 +58,11 @@ class _Norm(nn.Module):
 
     def _run(self, x: Tensor, residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001  (nn.Module's signature)
+        """Moving or casting the parameters drops the memo's plain token: the next call decides again."""
+        self._memo.token = None
+        return super()._apply(fn, recurse)
 
     def _needs_grad(self, x: Tensor, residual: Optional[Tensor]) -> bool:
         return torch.is_grad_enabled() and any(
@@ -67,7 +74,9 @@ class _Norm(nn.Module):
         if x.shape[-1:] != (self.hidden_size,):
             raise ValueError(f"x's last dimension must be hidden_size={self.hidden_size} of this "
                              f"{type(self).__name__}, got x of shape {tuple(x.shape)}")  # fmt: skip
-        if _one_dtype(x, residual, self.weight, self.bias):
+        if not _compiling() and self._memo.token is select._plain_token and _requested() is None:
+            y, h = baseline(x, residual, self.weight, self.bias, self.eps, self.norm, self.offset)
+        elif _one_dtype(x, residual, self.weight, self.bias):
             grad = self._needs_grad(x, residual)
             probe = (x.shape, x.dtype, device_key(x), grad)  # device_key: no device object (nn.layers)
             if not _compiling() and self._memo.plain(probe, lambda: module_call(x, self.norm, grad)):

@@ -1,0 +1,154 @@
+"""A module whose only pick on its device is plain PyTorch (no table serves the device, or every cell
+of the table for its op and activation names pytorch) runs its own forward with no decision per call,
+and decides again the moment anything could change that: use_backend(), DISPATCH_BACKEND, spec_masks(),
+emptied caches, parameters moved or cast."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dispatch import heuristics, select, spec_masks, use_backend
+from dispatch.nn import FusedMLP, FusedRMSNorm
+
+H, F = 8, 16
+
+
+class Counted:
+    """Counts a module's decision keys made (its ``_call``) and its plain-PyTorch runs."""
+
+    def __init__(self, m: FusedMLP) -> None:
+        self.keys = self.plain = 0
+        make, run = m._call, m.module_forward
+
+        def made(*args):
+            self.keys += 1
+            return make(*args)
+
+        def ran(x):
+            self.plain += 1
+            return run(x)
+
+        m._call, m.module_forward = made, ran
+
+
+def _segment(backend: str, m_from: int = 1) -> dict:
+    return {"m_from": m_from, "backend": backend, "runner_up": "eager", "margin": 0.2, "m": 64,
+            "clock": "gpu", "gpu_backend": backend, "gpu_us": {backend: 9.0, "eager": 12.0},
+            "host_us": {backend: 4.0, "eager": 5.0}}  # fmt: skip
+
+
+def _write(user, cells: dict[str, list[dict]]) -> None:
+    """A CPU table of fused_mlp float32 cells, activation -> its segments, in both modes."""
+    info = heuristics.device_info(torch.device("cpu"))
+    entries = [{"op": "fused_mlp", "dtype": "float32", "activation": act, "mode": mode, "dropout": False,
+                "features": [H, F], "segments": segments}
+               for act, segments in cells.items() for mode in ("inference", "training")]  # fmt: skip
+    table = {"schema_version": heuristics.SCHEMA_VERSION, "device": info,
+             "versions": heuristics.running_versions(), "entries": entries}  # fmt: skip
+    (user / f"{info['slug']}.json").write_text(json.dumps(table))
+    heuristics.reload()
+    select.clear_cache()
+
+
+def _mlp() -> FusedMLP:
+    return FusedMLP(H, F, activation="swiglu")
+
+
+def test_without_a_table_the_block_decides_once_then_runs_its_own_forward(user_dir):
+    m = _mlp()
+    counted = Counted(m)
+    x = torch.randn(3, H)
+    want = m(x)
+    assert counted.keys == 1 and m._memo.token is select._plain_token
+    for rows in (3, 5, 7):
+        m(torch.randn(rows, H))
+    m.eval()(x)
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+    assert counted.keys == 1 and counted.plain == 6
+
+
+def test_a_table_naming_another_backend_for_the_activation_decides_per_input(user_dir):
+    _write(user_dir, {"swiglu": [_segment("pytorch"), _segment("eager", 5)]})
+    m = _mlp()
+    counted = Counted(m)
+    m(torch.randn(3, H))
+    assert m._memo.token is None and counted.plain == 1
+    m(torch.randn(6, H))  # M = 6: eager's segment
+    assert counted.keys == 2 and counted.plain == 1
+
+
+def test_a_table_whose_cells_for_the_activation_all_name_pytorch_gives_the_token(user_dir):
+    _write(user_dir, {"swiglu": [_segment("pytorch")], "geglu": [_segment("eager")]})
+    m = _mlp()
+    m(torch.randn(3, H))
+    assert m._memo.token is select._plain_token
+    geglu = FusedMLP(H, F, activation="geglu")
+    geglu(torch.randn(3, H))
+    assert geglu._memo.token is None
+
+
+def test_use_backend_the_environment_and_spec_masks_are_seen_by_an_armed_block(user_dir, monkeypatch):
+    m = _mlp()
+    counted = Counted(m)
+    x = torch.randn(3, H)
+    m(x)
+    with use_backend("eager"):
+        m(x)
+    assert counted.plain == 1
+    monkeypatch.setenv("DISPATCH_BACKEND", "eager")
+    select.clear_cache()
+    m(x)
+    assert counted.plain == 1 and m._memo.token is None
+    monkeypatch.delenv("DISPATCH_BACKEND")
+    select.clear_cache()
+    m(x)
+    assert counted.plain == 2 and m._memo.token is select._plain_token
+    drop = FusedMLP(H, F, activation="swiglu", p=0.5)
+    runs = Counted(drop)
+    drop(x)
+    assert runs.plain == 1
+    with spec_masks():
+        drop(x)  # torch's masks may not serve: the spec's backend runs
+        assert runs.plain == 1
+    drop(x)
+    assert runs.plain == 2
+
+
+def test_moving_or_casting_the_parameters_drops_the_token(user_dir):
+    m = _mlp()
+    counted = Counted(m)
+    m(torch.randn(3, H))
+    m.double()
+    assert m._memo.token is None
+    y = m(torch.randn(3, H, dtype=torch.float64))
+    assert y.dtype == torch.float64 and counted.keys == 2 and m._memo.token is select._plain_token
+
+
+def test_the_norm_module_takes_the_same_path(user_dir):
+    norm = FusedRMSNorm(H)
+    x = torch.randn(4, H)
+    want = norm(x)
+    assert norm._memo.token is select._plain_token
+    assert torch.equal(norm(x), want)
+    with pytest.raises(ValueError, match="hidden_size=8"):
+        norm(torch.randn(4, H + 1))
+    norm.double()
+    assert norm._memo.token is None
+
+
+def test_a_table_for_every_activation_but_ours_still_gives_the_token():
+    """backends_named reads only the entries of the op and traits asked for."""
+    info = heuristics.device_info(torch.device("cpu"))
+    seg = _segment("eager")
+    entries = [{"op": "fused_mlp", "dtype": "float32", "activation": "gelu", "mode": "inference",
+                "dropout": dropout, "features": [H, F], "segments": [seg]} for dropout in (False, True)]
+    doc = {"schema_version": heuristics.SCHEMA_VERSION, "device": info,
+           "versions": heuristics.running_versions(), "entries": entries}
+    table = heuristics.Table(doc, "test")
+    assert table.backends_named("fused_mlp", {"activation": "gelu"}) == {"eager"}
+    assert table.backends_named("fused_mlp", {"activation": "swiglu"}) == set()
+    assert table.backends_named("fused_linear", {"activation": "gelu"}) == set()
