@@ -202,3 +202,41 @@ def test_mlp_graph_traced_under_a_backend_runs_outside_it(p, device):
         torch.testing.assert_close(grad_x.double(), grad_want, rtol=1e-5, atol=1e-5)
     else:
         assert torch.isfinite(grad_x).all() and grad_x.abs().sum() > 0
+
+
+def test_a_fused_mlp_stays_opaque_under_compile_only_where_the_rule_says(user_dir):
+    """FusedMLP under torch.compile: one custom op (triton) for a training call with hidden dropout of a
+    plain activation where the table picks triton for the family at large M; its math elsewhere (no
+    dropout, eval, a gate, the table's pick another backend), and under use_backend as every op."""
+    import json
+
+    from dispatch import heuristics, select
+    from dispatch.nn import FusedMLP
+
+    h, f = 8, 16
+    info = heuristics.device_info(torch.device("cpu"))
+
+    def table(backend: str) -> None:
+        seg = {"m_from": 1, "backend": backend, "runner_up": "eager", "margin": 0.2, "m": 64,
+               "clock": "gpu", "gpu_backend": backend, "gpu_us": {backend: 9.0, "eager": 12.0},
+               "host_us": {backend: 4.0, "eager": 5.0}}  # fmt: skip
+        entries = [{"op": "fused_mlp", "dtype": "float32", "activation": act, "mode": "training",
+                    "dropout": True, "features": [h, f], "segments": [seg]}
+                   for act in ("gelu", "swiglu")]  # fmt: skip
+        doc = {"schema_version": heuristics.SCHEMA_VERSION, "device": info,
+               "versions": heuristics.running_versions(), "entries": entries}  # fmt: skip
+        (user_dir / f"{info['slug']}.json").write_text(json.dumps(doc))
+        heuristics.reload()
+        select.clear_cache()
+
+    x = torch.randn(5, h)
+    table("triton")
+    opaque = ["fusedispatch.fused_mlp.default"]
+    assert _custom_ops_traced(FusedMLP(h, f, activation="gelu", p=0.3).train(), x) == opaque
+    assert _custom_ops_traced(FusedMLP(h, f, activation="gelu", p=0.3).eval(), x) == []
+    assert _custom_ops_traced(FusedMLP(h, f, activation="gelu", p_out=0.3).train(), x) == []
+    assert _custom_ops_traced(FusedMLP(h, f, activation="swiglu", p=0.3).train(), x) == []
+    with use_backend("pytorch"):
+        assert _custom_ops_traced(FusedMLP(h, f, activation="gelu", p=0.3).train(), x) == []
+    table("pytorch")
+    assert _custom_ops_traced(FusedMLP(h, f, activation="gelu", p=0.3).train(), x) == []

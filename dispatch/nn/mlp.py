@@ -210,9 +210,15 @@ class FusedMLP(nn.Module):
         # device) the block runs its own forward after two identity tests. Else the width is checked
         # where a call's key is made: a probe the memo holds passed it. In a host-bound step every line
         # here costs 3-5x its time alone (~1 us each on a 2-core CPU).
+        backend = None
         if _compiling():
+            from dispatch import compiling  # imports torch._dynamo: under compile only, as dispatch.api
+
             self._width(x)
             dtype = _autocast_dtype(x)
+            hidden_dropout = self.training and self.p > 0.0
+            backend = compiling.opaque_mlp(x.device, dtype or x.dtype, self.activation, self.in_features,
+                                           self.hidden_features, hidden_dropout)  # fmt: skip
         else:
             if self._memo.token is select._plain_token and _requested() is None:
                 return self.module_forward(x)
@@ -230,7 +236,8 @@ class FusedMLP(nn.Module):
         else:
             (w_gate, b_gate), (w_up, b_up) = inner
             w_in, b_in = (w_gate, w_up), None if b_gate is None else (b_gate, b_up)
-        return fused_mlp(x, w_in, b_in, w_out, b_out, self.activation, self.p, self.p_out, self.training)
+        return fused_mlp(x, w_in, b_in, w_out, b_out, self.activation, self.p, self.p_out, self.training,
+                         backend=backend)
 
     def module_forward(self, x: Tensor) -> Tensor:
         """The block as a module runs it in plain PyTorch: its layers called in order, LLaMA's
