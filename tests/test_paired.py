@@ -50,5 +50,7 @@ def test_gpu_clock_pairs_graph_replays():
         "twice": lambda: torch.cuda._sleep(int(0.2 * cycles)),
     }
     times = paired.times(entries, torch.device("cuda"), gpu=True, samples=10, slice_ms=1.0)
-    assert paired.ratio(times, "twice", "base") == pytest.approx(2.0, rel=0.1)
+    # twice the spin, within 30%: under -n 8 the GPU is time-sliced among the test processes (2.27 seen
+    # on an H100); swapped or unpaired entries read 0.5 or drift far further
+    assert paired.ratio(times, "twice", "base") == pytest.approx(2.0, rel=0.3)
     assert 0.05 < statistics.median(times["base"]) < 0.2
