@@ -22,6 +22,8 @@ forward+backward (a training step: autograd.grad of x and every weight; the defa
   mlp/triton+epilogues  triton's "epilogues" variant (mlp_gemm.py), forward and backward
   compile+mlp/triton    torch.compile of fused_mlp(backend="triton"): one opaque custom op, against
                 "compile" the evidence for where fused_mlp should trace as what under compile
+  compile+patched       torch.compile of the FusedMLP dispatch.patch makes of the module, no backend
+                named: the compile rule (dispatch.compiling.opaque_mlp) decides opaque or math
   liger         Liger-Kernel's LigerSwiGLUMLP (swiglu) or LigerGEGLUMLP (geglu_tanh) on the module's
                 own Linears, where liger_kernel imports (on the device: its wheel carried in .whl/,
                 installed by device_run.sh's install stage; it needs only torch and triton)

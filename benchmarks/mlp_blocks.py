@@ -208,9 +208,24 @@ def entries(models: Models, p: float, training: bool, backends: list[str]) -> di
         # "compile" (inductor's own graph of the module) this decides where fused_mlp traces as what
         opaque = torch.compile(mlp(w, act, p, training, "triton"), fullgraph=True, dynamic=False)
         out["compile+mlp/triton"] = Entry(opaque, w.present, w.pair)
+    # a patched model's block under torch.compile, no backend named: the compile rule decides (opaque
+    # triton or math, dispatch.compiling.opaque_mlp); against "compile" the rule's effect, as measured
+    out["compile+patched"] = Entry(torch.compile(patched(module, act, p).train(training), dynamic=False), own,
+                                   module.gated)  # fmt: skip
     if models.liger is not None and p == 0:
         out["liger"] = Entry(models.liger, own, True)
     return out
+
+
+def patched(module: PlainMLP, activation: str, p: float) -> nn.Module:
+    """The FusedMLP dispatch.patch would make of the block: its own linear layers, adopted."""
+    from dispatch.nn import FusedMLP
+
+    if module.gated:
+        names = ("gate_proj", "up_proj", "down_proj")
+        return FusedMLP.from_linears((module.gate_proj, module.up_proj), activation, module.down_proj, p,
+                                     names=names)  # fmt: skip
+    return FusedMLP.from_linears(module.fc1, activation, module.fc2, p)
 
 
 def step(e: Entry, x: Tensor, gy: Tensor, mode: str) -> timing.Fn:
