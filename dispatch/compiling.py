@@ -55,8 +55,8 @@ def opaque_mlp(device: torch.device, dtype: torch.dtype, activation: str, h: int
 def _triton_at_scale(
     device: torch.device, dtype: torch.dtype, activation: str, h: int, f: int
 ) -> Optional[str]:
-    """"triton" where the table's cell for fused_mlp training with dropout at features (h, f) picks it
-    for its largest M and triton can serve such calls, else None."""
+    """The name triton where the table's cell for fused_mlp training with dropout at features (h, f)
+    picks it at its largest M and triton can serve such calls, else None."""
     traits = ("activation", "dropout")
     call = Call("fused_mlp", device, dtype, (1 << 20, h, f), True, traits, (activation, True))
     choice = heuristics.lookup(call)

@@ -53,8 +53,6 @@ class Memo:
         return (Memo, ())
 
 
-
-
 def plain_token(call: Call) -> Optional[object]:
     """The token (``_plain_token``) a module may keep to run plain PyTorch with no decision per call, or
     None. It is given where nothing asks for a backend (no ``use_backend()``, ``DISPATCH_BACKEND`` or

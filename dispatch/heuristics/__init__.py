@@ -76,7 +76,7 @@ __all__ = [
     "CALIBRATE_HINT", "ENV_DIR", "MODES", "SCHEMA_VERSION", "SCHEMA_VERSIONS", "SHIPPED_DIR",
     "Choice", "Clocks", "DeviceInfo", "Document", "Entry", "EntryId", "EntryKey", "EntryRecord",
     "HeuristicsWarning", "Point", "SchemaError", "Segment", "SegmentRecord", "SelfCheck", "Table",
-    "all_tables", "backends_named", "cpu_model", "cpu_slug", "describe", "device_info", "dumps", "load_table", "lookup",
-    "max_measured_m", "read_table", "reload", "resolve", "running_versions", "save_table", "skipped_tables",
-    "slim", "slugify", "table_for", "user_dir", "user_dir_problem", "why_no_choice",
+    "all_tables", "backends_named", "cpu_model", "cpu_slug", "describe", "device_info", "dumps", "load_table",
+    "lookup", "max_measured_m", "read_table", "reload", "resolve", "running_versions", "save_table",
+    "skipped_tables", "slim", "slugify", "table_for", "user_dir", "user_dir_problem", "why_no_choice",
 ]  # fmt: skip

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dispatch import select
-from dispatch.memo import Memo
 from dispatch.api import fused_mlp
 from dispatch.contracts.activations import ACTIVATION_NAMES, ACTIVATIONS, GATED_NAMES, GATES
+from dispatch.memo import Memo
 from dispatch.nn.layers import FusedLinear, _autocast_dtype, _cast, _check_p, device_key, linear_layout
 from dispatch.ops.fused_mlp import module_call
 

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from dispatch import select
-from dispatch.memo import Memo
 from dispatch.api import explain, fused_add_layer_norm, fused_add_rms_norm
+from dispatch.memo import Memo
 from dispatch.ops.add_norm import baseline, module_call
 from dispatch.nn.layers import device_key
 from dispatch.select import Decision
