@@ -1,9 +1,12 @@
-"""What a module of ``dispatch.nn`` keeps of its decisions: its last one (``Memo``), and where plain PyTorch
-is its only pick, the token with which it skips deciding (``plain_token``)."""
+"""What a module of ``dispatch.nn`` keeps of its decisions: its last one (``Memo``); where plain PyTorch
+is its only pick, the token with which it skips deciding (``plain_token``); where plain PyTorch is its
+pick over a range of sizes, that range (``plain_span``)."""
 
 from __future__ import annotations
 
 from typing import Callable, Optional
+
+from torch import Tensor
 
 from dispatch import heuristics, select
 from dispatch.contracts.backend import Call
@@ -12,35 +15,47 @@ from dispatch.select import Decision, _requested
 
 class Memo:
     """A module's last decision, for modules that run their own PyTorch where plain PyTorch is picked
-    (``dispatch.nn``): ``plain(probe, make_call)`` decides again only when ``probe`` (what the module's
-    call key is made of: shape, dtype, device, grad, mode), the ``use_backend`` request or the caches'
-    generation changed; a decision made keeps ``plain_token``'s token (``token``), with which the
-    module skips the memo while plain PyTorch is its only pick. Building a call's key and looking it up
-    costs ~2.5 us a call on a 2-core CPU, a repeated probe ~0.5 us. The probe and its decision are one
-    tuple, replaced whole (threads calling one module never pair a probe with another's decision).
-    Copies and pickles start empty."""
+    (``dispatch.nn``): ``plain(of_x, state, make_call)`` decides again only when ``of_x`` (x's shape,
+    or shape, dtype and device), ``state`` (the rest of what the module's call key is made of: grad,
+    mode, autocast), the ``use_backend`` request or the caches' generation changed. A decision for
+    plain PyTorch keeps ``plain_token``'s token (``token``: the module skips the memo while plain
+    PyTorch is its only pick) and ``plain_span``'s span (``span``: the module skips the memo for an x
+    of that state whose size falls in the table segment the decision came from; ``spans`` tests it).
+    Building a call's key and looking it up costs ~2.5 us a call on a 2-core CPU, a repeated probe
+    ~0.5 us, the span's test ~0.2. The probe and its decision are one tuple, replaced whole (threads
+    calling one module never pair a probe with another's decision). Copies and pickles start empty."""
 
-    __slots__ = ("entry", "token")
+    __slots__ = ("entry", "token", "span")
 
     def __init__(self) -> None:
         self.entry: Optional[tuple[tuple, Decision]] = None
         self.token: Optional[object] = None  # plain_token's, set where a decision is made
+        self.span: Optional[tuple] = None  # plain_span's, set where a decision is made
 
     @property
     def found(self) -> Optional[Decision]:
         """The decision kept, if any."""
         return None if self.entry is None else self.entry[1]
 
-    def plain(self, probe: tuple, make_call: Callable[[], Call]) -> bool:
+    def spans(self, x: Tensor, state: tuple) -> bool:
+        """Whether x of ``state`` falls in the span of the last plain decision, with no ``use_backend()``
+        request: then the module runs plain PyTorch without deciding."""
+        span = self.span
+        return (span is not None and span[0] is select._plain_token and span[1] <= x.numel() < span[2]
+                and span[3] == state and _requested.get() is None)  # fmt: skip
+
+    def plain(self, of_x: tuple, state: tuple, make_call: Callable[[], Call]) -> bool:
         """Whether calls like ``make_call()``'s, with no backend argument, run on plain PyTorch (the
         pytorch backend) by the current request, table and capture state."""
-        probe = (probe, _requested.get(), select._generation)
+        probe = (of_x, state, _requested.get(), select._generation)
         entry = self.entry
         if entry is None or entry[0] != probe:
-            call = make_call()
+            call, token = make_call(), select._plain_token  # the token before the decision: one that
+            # empties the caches makes a new one, and the span made under the old one goes unused
             entry = self.entry = (probe, select.decision(select.key(call, None)))
             plain = entry[1].backend.name == "pytorch" and entry[1].captured is None
             self.token = plain_token(call) if plain else None
+            self.span = plain_span(call, state, token) if plain and probe[2] is None else None
         found = entry[1]
         if found.captured is not None and select.capturing():
             return found.captured.name == "pytorch"
@@ -72,3 +87,15 @@ def plain_token(call: Call) -> Optional[object]:
         named = heuristics.backends_named(call.op, call.device, dict(traits))
         only = select._plain_only[k] = named <= {"pytorch"}
     return token if only else None
+
+
+def plain_span(call: Call, state: tuple, token: object) -> tuple:
+    """(token, lo, hi, state): a decision for plain PyTorch on ``call``, made with no ``use_backend()``
+    request, holds for every x of the same ``state`` with lo <= x.numel() < hi while ``token`` is
+    ``select._plain_token``: the table answers every token count of the segment ``call``'s came from
+    (``heuristics.m_span``) from that segment, and x's rows hold call.shape[1] elements (a call's shape
+    is (M, width of x, ...) for every module op). A module tests it before its memo: a size inside the
+    span skips the call's key, and variable sequence lengths decide once a segment."""
+    lo, hi = heuristics.m_span(call)
+    row = call.shape[1]
+    return token, lo * row, hi * row, state

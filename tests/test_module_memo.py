@@ -101,8 +101,8 @@ def test_the_probe_and_its_decision_are_kept_as_one_pair():
     m = mlp()
     for rows in (3, 5):
         m(torch.randn(rows, 8))
-        (probe, _, _), found = m._memo.entry
-        assert probe[0] == (rows, 8) and found.call.shape[0] == rows
+        ((shape, _, _), _, _, _), found = m._memo.entry
+        assert shape == (rows, 8) and found.call.shape[0] == rows
 
 
 def test_device_type_and_key_without_a_device_object_agree_with_it():

@@ -1,7 +1,8 @@
 """A module whose only pick on its device is plain PyTorch (no table serves the device, or every cell
 of the table for its op and activation names pytorch) runs its own forward with no decision per call,
 and decides again the moment anything could change that: use_backend(), DISPATCH_BACKEND, spec_masks(),
-emptied caches, parameters moved or cast."""
+emptied caches, parameters moved or cast. Where plain PyTorch is its pick over one segment of a table
+cell, inputs of any size in that segment run it with no decision either (the memo's span)."""
 
 from __future__ import annotations
 
@@ -152,3 +153,76 @@ def test_a_table_for_every_activation_but_ours_still_gives_the_token():
     assert table.backends_named("fused_mlp", {"activation": "gelu"}) == {"eager"}
     assert table.backends_named("fused_mlp", {"activation": "swiglu"}) == set()
     assert table.backends_named("fused_linear", {"activation": "gelu"}) == set()
+
+
+def _sizes(m: FusedMLP, shapes) -> None:
+    """Calls m on inputs of these shapes; each output equals the module's own forward's, bitwise."""
+    for shape in shapes:
+        x = torch.randn(*shape)
+        assert torch.equal(m(x), FusedMLP.module_forward(m, x))
+
+
+def test_a_plain_decision_holds_over_its_table_segment_and_no_further(user_dir):
+    _write(user_dir, {"swiglu": [_segment("pytorch"), _segment("eager", 5)]})
+    m = _mlp()
+    counted = Counted(m)
+    _sizes(m, [(3, H), (4, H), (1, H), (2, 2, H), (1, 4, H)])  # M = 3, 4, 1, 4, 4: one segment
+    assert m._memo.token is None and counted.keys == 1 and counted.plain == 5
+    _sizes(m, [(5, H)])  # M = 5: eager's segment decides again, and eager runs
+    assert counted.keys == 2 and counted.plain == 5 and m._memo.span is None
+    _sizes(m, [(2, H), (3, H)])
+    assert counted.keys == 3 and counted.plain == 7
+
+
+def test_the_span_holds_for_its_state_only(user_dir):
+    _write(user_dir, {"swiglu": [_segment("pytorch"), _segment("eager", 5)]})
+    m = _mlp()
+    counted = Counted(m)
+    x = torch.randn(3, H)
+    m(x)
+    with torch.no_grad():  # another mode: decided again, then its own span
+        m(x), m(torch.randn(2, H))
+    assert counted.keys == 2 and counted.plain == 3
+    m.eval()(x)  # module mode: eval is no dropout here either, yet decided again (the state differs)
+    assert counted.keys == 3 and counted.plain == 4
+    with use_backend("eager"):
+        m(x)
+    assert counted.plain == 4
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(x)  # autocast's dtype: a bfloat16 call, no cell, plain PyTorch by default, decided anew
+    assert counted.keys == 5 and counted.plain == 5
+    m.double()
+    assert m._memo.span is None and m._memo.token is None
+    assert m(x.double()).dtype == torch.float64 and counted.keys == 6
+
+
+def test_a_span_dies_with_the_caches_generation(user_dir):
+    _write(user_dir, {"swiglu": [_segment("pytorch"), _segment("eager", 5)]})
+    m = _mlp()
+    counted = Counted(m)
+    m(torch.randn(3, H))
+    _write(user_dir, {"swiglu": [_segment("eager")]})  # a new table: the caches emptied
+    m(torch.randn(3, H))
+    assert counted.keys == 2 and counted.plain == 1 and m._memo.span is None
+
+
+def test_the_norm_module_keeps_a_span_too(user_dir):
+    info = heuristics.device_info(torch.device("cpu"))
+    entries = [{"op": "add_norm", "dtype": "float32", "norm": "rms", "mode": mode, "features": [H],
+                "segments": [_segment("pytorch"), _segment("eager", 5)]}
+               for mode in ("inference", "training")]  # fmt: skip
+    table = {"schema_version": heuristics.SCHEMA_VERSION, "device": info,
+             "versions": heuristics.running_versions(), "entries": entries}  # fmt: skip
+    (user_dir / f"{info['slug']}.json").write_text(json.dumps(table))
+    heuristics.reload()
+    select.clear_cache()
+    norm = FusedRMSNorm(H)
+    x = torch.randn(3, H)
+    want = norm(x)
+    assert norm._memo.token is None and norm._memo.span is not None
+    lo, hi = norm._memo.span[1:3]
+    assert (lo, hi) == (H, 5 * H) and torch.equal(norm(x), want)
+    norm(torch.randn(4, H))
+    assert norm._memo.found.call.shape[0] == 3  # M = 4 ran inside the span: no new decision
+    norm(torch.randn(6, H))
+    assert norm._memo.found.call.shape[0] == 6 and norm._memo.span is None

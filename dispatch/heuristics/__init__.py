@@ -35,6 +35,7 @@ from dispatch.heuristics.catalog import (
     backends_named,
     describe,
     lookup,
+    m_span,
     reload,
     resolve,
     skipped_tables,
@@ -77,6 +78,7 @@ __all__ = [
     "Choice", "Clocks", "DeviceInfo", "Document", "Entry", "EntryId", "EntryKey", "EntryRecord",
     "HeuristicsWarning", "Point", "SchemaError", "Segment", "SegmentRecord", "SelfCheck", "Table",
     "all_tables", "backends_named", "cpu_model", "cpu_slug", "describe", "device_info", "dumps", "load_table",
-    "lookup", "max_measured_m", "read_table", "reload", "resolve", "running_versions", "save_table",
-    "skipped_tables", "slim", "slugify", "table_for", "user_dir", "user_dir_problem", "why_no_choice",
+    "lookup", "m_span", "max_measured_m", "read_table", "reload", "resolve", "running_versions",
+    "save_table", "skipped_tables", "slim", "slugify", "table_for", "user_dir", "user_dir_problem",
+    "why_no_choice",
 ]  # fmt: skip

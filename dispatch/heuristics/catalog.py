@@ -159,6 +159,13 @@ def backends_named(op: str, device: torch.device, traits: Mapping[str, object]) 
     return set() if table is None else table.backends_named(op, traits)
 
 
+def m_span(call: Call) -> tuple[int, float]:
+    """The token counts [lo, hi) around ``call``'s M over which ``lookup`` gives ``call``'s answer: one
+    segment of the table's cell, or every M where no table or cell serves it."""
+    table, _ = table_for(_normalize(call.device))
+    return (1, math.inf) if table is None else table.span(call)
+
+
 def why_no_choice(call: Call) -> str:
     """Why no table answers ``call`` (``lookup`` gave None), in words for explain()."""
     table, via = table_for(_normalize(call.device))

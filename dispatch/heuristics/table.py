@@ -155,6 +155,16 @@ class Table:
         gpu = seg.gpu_backend if seg.gpu_backend != seg.backend else None
         return Choice(seg.backend, f"{where}: {key.label}, {'; '.join(notes)}", gpu)
 
+    def span(self, call: Call) -> tuple[int, float]:
+        """The token counts [lo, hi) around ``call``'s M that ``choose`` answers from the segment it answers
+        ``call`` from (all M where the table has no cell for it)."""
+        entries = self.index.get(EntryKey.of_call(call))
+        if not entries:
+            return 1, math.inf
+        _, starts, _ = self._entry(entries, tuple(call.shape[1:]))
+        i = max(bisect.bisect_right(starts, call.shape[0]) - 1, 0)
+        return (starts[i] if i else 1), (starts[i + 1] if i + 1 < len(starts) else math.inf)
+
     def backends_named(self, op: str, traits: Mapping[str, object]) -> set[str]:
         """Every backend a segment names, winner or winner by GPU time alone, in the entries of ``op``
         whose traits include ``traits``."""

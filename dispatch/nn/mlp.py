@@ -171,8 +171,9 @@ class FusedMLP(nn.Module):
         object.__setattr__(self, "_memo", Memo())  # the last call's decision
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001  (nn.Module's signature)
-        """Moving or casting the parameters drops the memo's plain token: the next call decides again."""
-        self._memo.token = None
+        """Moving or casting the parameters drops the memo's plain token and span: the next call decides
+        again."""
+        self._memo.token = self._memo.span = None
         return super()._apply(fn, recurse)
 
     def _operand(self, name: str, dtype: Optional[torch.dtype]) -> tuple[Tensor, Optional[Tensor]]:
@@ -207,9 +208,13 @@ class FusedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # With the memo's plain token (``memo.plain_token``: plain PyTorch is the only pick on this
-        # device) the block runs its own forward after two identity tests. Else the width is checked
-        # where a call's key is made: a probe the memo holds passed it. In a host-bound step every line
-        # here costs 3-5x its time alone (~1 us each on a 2-core CPU).
+        # device) the block runs its own forward after two identity tests; with x's size in the span of
+        # its last plain decision (``memo.plain_span``) after the state's: x's dtype and device are not
+        # in it, since they must be the weights' (fixed until ``_apply`` drops the span) unless autocast
+        # gives the dtype. Else the width is checked where a call's key is made: a probe the memo holds
+        # passed it; x of another width, dtype or device inside a span or the token gets the module's
+        # own error. In a host-bound step every line here costs 3-5x its time alone (~1 us each on a
+        # 2-core CPU; the span's path ~0.5 us in all, the memo's ~1.2).
         backend = None
         if _compiling():
             from dispatch import compiling  # imports torch._dynamo: under compile only, as dispatch.api
@@ -220,12 +225,18 @@ class FusedMLP(nn.Module):
             backend = compiling.opaque_mlp(x.device, dtype or x.dtype, self.activation, self.in_features,
                                            self.hidden_features, hidden_dropout)  # fmt: skip
         else:
-            if self._memo.token is select._plain_token and _requested() is None:
+            memo = self._memo
+            if memo.token is select._plain_token and _requested() is None:
                 return self.module_forward(x)
             dtype = _autocast_dtype(x)
             grad = self._grad(x)
-            probe = (x.shape, x.dtype, device_key(x), dtype, grad, self.training, self.p, self.p_out)
-            if self._memo.plain(probe, lambda: self._call(self._width(x), dtype, grad)):
+            state = (dtype, grad, self.training, self.p, self.p_out)
+            span = memo.span
+            if (span is not None and span[0] is select._plain_token and span[1] <= x.numel() < span[2]
+                    and span[3] == state and _requested() is None):  # fmt: skip
+                return self.module_forward(x)
+            if memo.plain((x.shape, x.dtype, device_key(x)), state,
+                          lambda: self._call(self._width(x), dtype, grad)):  # fmt: skip
                 return self.module_forward(x)
         if dtype is not None:
             x = _cast(x, dtype)

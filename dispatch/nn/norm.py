@@ -60,14 +60,23 @@ class _Norm(nn.Module):
         raise NotImplementedError
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001  (nn.Module's signature)
-        """Moving or casting the parameters drops the memo's plain token: the next call decides again."""
-        self._memo.token = None
+        """Moving or casting the parameters drops the memo's plain token and span: the next call decides
+        again."""
+        self._memo.token = self._memo.span = None
         return super()._apply(fn, recurse)
 
     def _needs_grad(self, x: Tensor, residual: Optional[Tensor]) -> bool:
         return torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, residual, self.weight, self.bias)
         )
+
+    def _picks_plain(self, x: Tensor, residual: Optional[Tensor]) -> bool:
+        """Whether a call on x runs plain PyTorch: x's size in the span of the memo's last plain decision
+        (``memo.plain_span``), else the memo's decision."""
+        grad = self._needs_grad(x, residual)
+        state = (x.dtype, device_key(x), grad)  # device_key: no device object (nn.layers)
+        memo = self._memo
+        return memo.spans(x, state) or memo.plain(x.shape, state, lambda: module_call(x, self.norm, grad))
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
         """norm(x), or with a residual (norm(x + residual), x + residual)."""
@@ -76,15 +85,11 @@ class _Norm(nn.Module):
                              f"{type(self).__name__}, got x of shape {tuple(x.shape)}")  # fmt: skip
         if not _compiling() and self._memo.token is select._plain_token and _requested() is None:
             y, h = baseline(x, residual, self.weight, self.bias, self.eps, self.norm, self.offset)
-        elif _one_dtype(x, residual, self.weight, self.bias):
-            grad = self._needs_grad(x, residual)
-            probe = (x.shape, x.dtype, device_key(x), grad)  # device_key: no device object (nn.layers)
-            if not _compiling() and self._memo.plain(probe, lambda: module_call(x, self.norm, grad)):
-                y, h = baseline(x, residual, self.weight, self.bias, self.eps, self.norm, self.offset)
-            else:
-                y, h = self._run(x, residual)
-        else:
+        elif not _one_dtype(x, residual, self.weight, self.bias) or (
+                not _compiling() and self._picks_plain(x, residual)):  # fmt: skip
             y, h = baseline(x, residual, self.weight, self.bias, self.eps, self.norm, self.offset)
+        else:
+            y, h = self._run(x, residual)
         return y if residual is None else (y, h)
 
     def explain(self, x: Tensor, residual: Optional[Tensor] = None) -> Decision:
