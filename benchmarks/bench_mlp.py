@@ -20,6 +20,7 @@ forward+backward (a training step: autograd.grad of x and every weight; the defa
                 first, or with --gate-pair the module's own (gate, up) pair (as a patched model passes)
   mlp/dispatch  fused_mlp choosing for itself (its pick in the "picked" column)
   mlp/triton+epilogues  triton's "epilogues" variant (mlp_gemm.py), forward and backward
+  mlp/triton+keep       triton's "keep" variant: a kept for backward beside pre (PyTorch's bytes)
   compile+mlp/triton    torch.compile of fused_mlp(backend="triton"): one opaque custom op, against
                 "compile" the evidence for where fused_mlp should trace as what under compile
   compile+patched       torch.compile of the FusedMLP dispatch.patch makes of the module, no backend

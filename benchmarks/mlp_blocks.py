@@ -190,6 +190,13 @@ def epilogues() -> ContextManager:
     return triton_mlp.options(variant="epilogues")
 
 
+def keeping() -> ContextManager:
+    """Triton's fused_mlp in its "keep" variant: a kept beside pre, not formed again in backward."""
+    from dispatch.backends.triton import fused_mlp as triton_mlp
+
+    return triton_mlp.options(variant="keep")
+
+
 def entries(models: Models, p: float, training: bool, backends: list[str]) -> dict[str, Entry]:
     """Every contender at dropout ``p`` (the module's own dropout set to it) in training or eval mode."""
     module, w, act = models.module, models.weights, models.activation
@@ -204,6 +211,7 @@ def entries(models: Models, p: float, training: bool, backends: list[str]) -> di
     if "triton" in backends:  # the variant with the passes in the GEMMs' epilogues
         fn = mlp(w, act, p, training, "triton")
         out["mlp/triton+epilogues"] = Entry(fn, w.present, w.pair, epilogues)
+        out["mlp/triton+keep"] = Entry(fn, w.present, w.pair, keeping)
         # under torch.compile with a backend named the block is one opaque custom op: against
         # "compile" (inductor's own graph of the module) this decides where fused_mlp traces as what
         opaque = torch.compile(mlp(w, act, p, training, "triton"), fullgraph=True, dynamic=False)

@@ -35,8 +35,8 @@ GRADS = tuple(f"grad_{name}" for name in TENSORS)
 
 @pytest.fixture(autouse=True, params=triton_fused_mlp.VARIANTS)
 def variant(request):
-    """Every test under each variant: the products on cuBLAS with passes, and on Triton with the
-    passes in their epilogues."""
+    """Every test under each variant: the products on cuBLAS with passes (keeping pre, or pre and a),
+    and on Triton with the passes in their epilogues."""
     with triton_fused_mlp.options(variant=request.param):
         yield request.param
 
@@ -253,6 +253,16 @@ def test_epilogue_variant_runs_its_kernels(device, variant, monkeypatch):
     transposed = (x, w_in, w_up.t().contiguous().t(), b_in, b_up, w_out, b_out)
     assert_matches(transposed, "geglu", 0.3, 0.2)
     assert "grad_hidden" not in calls and "up" not in calls
+
+
+def test_keep_variant_forms_a_once(device, variant, monkeypatch):
+    """Under "keep" backward's pass is not asked for a, kept since the forward (a silent recompute
+    would pass every parity test); under "passes" it is."""
+    asked = []
+    real = mlp_hidden.backward
+    monkeypatch.setattr(mlp_hidden, "backward", lambda *a: asked.append(a[6]) or real(*a))
+    assert_matches(_inputs("gelu_tanh", False, True, F32, (7, 5, 6, 5), device), "gelu_tanh", 0.3, 0.2)
+    assert asked == {"keep": [False], "passes": [True], "epilogues": []}[variant]
 
 
 @pytest.mark.parametrize("split", [1, 2])

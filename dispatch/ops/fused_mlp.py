@@ -217,7 +217,7 @@ def _custom(x: Tensor, w_in: Tensor, w_up: Optional[Tensor], b_in: Optional[Tens
     kernels = _kernels(b, training, backend)
     if not training:
         return kernels.inference(b, (rng_hidden, rng_out)), x.new_empty(_EMPTY)
-    y, (pre,) = kernels.forward(b, (rng_hidden, rng_out))
+    y, (pre, *_) = kernels.forward(b, (rng_hidden, rng_out))  # a kernel's other kept tensors: formed again
     return y, pre
 
 

@@ -19,6 +19,11 @@ A forward keeps half the bytes the PyTorch module keeps for backward (48 vs 96 M
 The bias stays inside the first product, rounded with it once: a bias added after rounding x @ W^T
 flips relu-like masks where |x @ W^T| >> |x @ W^T + b| (fused_linear.py's forward).
 
+Variant "keep" (``options``) is "passes" whose forward keeps a, (M, F), beside pre: backward's pass
+then writes grad_pre alone (one M x F write less: 50 MB at GPT-2's block, 8192 tokens, bf16, ~15 us
+at 3.35 TB/s) for the bytes PyTorch's module keeps (96 vs 48 MiB there). Under torch.compile the
+custom op keeps pre alone, and backward forms a again.
+
 Variant "epilogues" (``options``; mlp_gemm.py) runs the products that carry pointwise work on Triton
 with that work in their epilogues: pre and a from the first product (a gate's two halves from one
 pass over x), y's bias and output dropout from the second, and grad_pre, a and the bias partials
@@ -39,7 +44,7 @@ from dispatch.contracts.activations import GATES
 from dispatch.contracts.backend import Kernels
 from dispatch.ops.fused_mlp_math import MLPOperands, gate_halves
 
-VARIANTS = ("passes", "epilogues")
+VARIANTS = ("passes", "keep", "epilogues")
 DEFAULT_VARIANT = "passes"  # until bench_mlp's mlp/triton+epilogues column is timed on the GPU
 _chosen: list[Optional[str]] = [None]
 
@@ -85,7 +90,7 @@ def _project_in(b: MLPOperands) -> Tensor:
     return pre
 
 
-def forward(b: MLPOperands, rngs: tuple) -> tuple[Tensor, tuple[Tensor]]:
+def forward(b: MLPOperands, rngs: tuple) -> tuple[Tensor, tuple[Tensor, ...]]:
     if _variant(b):
         return _forward_epilogues(b, rngs, keep_pre=True)
     pre = _project_in(b)  # (M, F) or (M, 2F)
@@ -93,7 +98,7 @@ def forward(b: MLPOperands, rngs: tuple) -> tuple[Tensor, tuple[Tensor]]:
     y = _linear(a, b.w_out, b.b_out)  # (M, H_out)
     if b.p_out > 0:
         y = bias_act_dropout.KERNELS.forward(y, None, "identity", b.p_out, rngs[1])
-    return y, (pre,)
+    return y, ((pre, a) if _chosen[0] == "keep" else (pre,))
 
 
 def _forward_epilogues(b: MLPOperands, rngs: tuple, keep_pre: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
@@ -121,7 +126,7 @@ def inference(b: MLPOperands, rngs: tuple) -> Tensor:
 def backward(
     grad_y: Tensor, b: MLPOperands, rngs: tuple, saved: tuple, needs: tuple
 ) -> tuple[Optional[Tensor], ...]:
-    (pre,) = saved
+    pre, kept = saved[0], saved[1] if len(saved) > 1 else None  # kept: a, by the "keep" variant
     need_x, need_w_in, need_w_up, need_b_in, need_b_up, need_w_out, need_b_out = needs
     need_b_out = need_b_out and b.b_out is not None
     need_pre = need_x or need_w_in or need_w_up
@@ -144,10 +149,11 @@ def backward(
     elif need_pre or need_b:
         grad_a = torch.mm(g, b.w_out)  # (M, F)
         grad_pre, a, grad_b = mlp_hidden.backward(
-            grad_a, pre, b.activation, b.p, rng, need_pre, need_w_out, need_b
+            grad_a, pre, b.activation, b.p, rng, need_pre, need_w_out and kept is None, need_b
         )
-    elif need_w_out:
+    elif need_w_out and kept is None:
         a = mlp_hidden.forward(pre, b.activation, b.p, rng)
+    a = kept if kept is not None else a
     grad_w_out = torch.mm(g.t(), a) if need_w_out else None  # (H_out, F)
     if b.w_up is None:
         grad_x = torch.mm(grad_pre, b.w_in) if need_x else None  # (M, H)
