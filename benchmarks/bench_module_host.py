@@ -3,6 +3,8 @@ tokens (the host binds), wall clock, paired samples (``dispatch.paired``). Entri
   plain      the block as the model defines it
   patched    dispatch.patch's FusedMLP, deciding (its memo, the table) and then running the module
   floor      the same FusedMLP's module_forward called directly: its layers without the decision
+and, where plain PyTorch is picked, "decision alone": the patched block's call with its layers stubbed
+out, less an identity module's call (timeit minima: the decision's own microseconds, host noise aside).
 Two passes on a GPU: with its table (``--tokens`` where it picks plain PyTorch; a block whose table
 names another backend at some M keeps its memo), and with every table hidden (bench_judge.no_tables),
 where a block's only pick is plain PyTorch and it runs module_forward after two identity tests
@@ -53,13 +55,34 @@ def row(name: str, tokens: int, mode: str, args, device: torch.device, table: bo
         for fn in runs.values():
             fn()
         times = paired.times(runs, device, gpu=False, samples=args.samples, slice_ms=args.slice_ms)
-    found = fused._memo.found
+        found, memo = fused._memo.found, fused._memo
+        path = "token" if memo.token is not None else "span" if memo.span is not None else "memo"
+        alone = decision_us(fused, x, training) if found.backend.name == "pytorch" else None
     out = {"model": name, "tokens": tokens, "mode": mode, "table": table, "picked": found.backend.name,
-           "capture_pick": getattr(found.captured, "name", None), "plain_path": fused._memo.token is not None}
+           "capture_pick": getattr(found.captured, "name", None), "path": path, "decision_alone_us": alone}
     for n in runs:
         out[f"us:{n}"] = statistics.median(times[n]) * 1e3
         out[f"x:{n}"] = paired.ratio(times, n, "plain")
     return out
+
+
+class _Identity(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def decision_us(fused: torch.nn.Module, x: torch.Tensor, training: bool, calls: int = 2000) -> float:
+    """The patched block's own cost where it runs plain PyTorch, its layers stubbed out: the best of
+    5 x ``calls`` calls (timeit), less a module that returns x (nn.Module's call). Host noise adds;
+    the minimum keeps the decision's own microseconds."""
+    ident = _Identity()
+    fused.module_forward = lambda t: t  # an instance attribute over the method, deleted after
+    try:
+        with torch.enable_grad() if training else torch.no_grad():
+            best = [min(timeit.repeat(lambda m=m: m(x), number=calls, repeat=5)) for m in (fused, ident)]
+    finally:
+        del fused.module_forward
+    return (best[0] - best[1]) / calls * 1e6
 
 
 def capture_question_us(device: torch.device, calls: int = 2000) -> str:
@@ -88,11 +111,11 @@ def main() -> None:
                 for n in args.models.split(",") for mode in ("training", "inference")]  # fmt: skip
         common.write(args, "module_host", {"rows": rows}, device)
         heads = ["model", "mode", "tables", "pick", "path", "plain us", "patched us", "floor us",
-                 "patched / plain", "floor / plain", "decision us"]  # fmt: skip
+                 "patched / plain", "floor / plain", "decision us", "decision alone us"]  # fmt: skip
         table = [[r["model"], r["mode"], "shipped" if r["table"] else "hidden",
-                  f"{r['picked']}/{r['capture_pick']}", "plain" if r["plain_path"] else "memo",
-                  r["us:plain"], r["us:patched"], r["us:floor"], r["x:patched"], r["x:floor"],
-                  r["us:patched"] - r["us:floor"]]
+                  f"{r['picked']}/{r['capture_pick']}", r["path"], r["us:plain"], r["us:patched"],
+                  r["us:floor"], r["x:patched"], r["x:floor"], r["us:patched"] - r["us:floor"],
+                  r["decision_alone_us"]]
                  for r in rows]  # fmt: skip
         print(tabulate(table, headers=heads, floatfmt=".3f"))
 

@@ -189,7 +189,8 @@ def profile_row(name: str, m: int, args, device: torch.device) -> dict:
     found = entries(models, p, True, ok)
     reasons = {"liger": no_liger, "composed": "gated blocks have none"}
     reasons.update({f"mlp/{b}": r for b, r in why.items()})
-    for variant in ("mlp/triton+epilogues", "mlp/triton+keep", "compile+mlp/triton"):  # triton's, where triton cannot serve
+    # triton's variants, where triton cannot serve
+    for variant in ("mlp/triton+epilogues", "mlp/triton+keep", "compile+mlp/triton"):
         reasons[variant] = why.get("triton", "")
     chosen = list(found) if args.entries == "all" else args.entries.split(",")
     runs = {}

@@ -42,7 +42,8 @@ class Memo:
         request: then the module runs plain PyTorch without deciding."""
         span = self.span
         return (span is not None and span[0] is select._plain_token and span[1] <= x.numel() < span[2]
-                and span[3] == state and _requested.get() is None)  # fmt: skip
+                and span[3] == state and _requested.get() is None
+                and not (span[4] and select.capturing()))  # fmt: skip
 
     def plain(self, of_x: tuple, state: tuple, make_call: Callable[[], Call]) -> bool:
         """Whether calls like ``make_call()``'s, with no backend argument, run on plain PyTorch (the
@@ -53,9 +54,9 @@ class Memo:
             call, token = make_call(), select._plain_token  # the token before the decision: one that
             # empties the caches makes a new one, and the span made under the old one goes unused
             entry = self.entry = (probe, select.decision(select.key(call, None)))
-            plain = entry[1].backend.name == "pytorch" and entry[1].captured is None
-            self.token = plain_token(call) if plain else None
-            self.span = plain_span(call, state, token) if plain and probe[2] is None else None
+            plain = entry[1].backend.name == "pytorch"
+            self.token = plain_token(call) if plain and entry[1].captured is None else None
+            self.span = plain_span(call, state, token, entry[1]) if plain and probe[2] is None else None
         found = entry[1]
         if found.captured is not None and select.capturing():
             return found.captured.name == "pytorch"
@@ -89,13 +90,15 @@ def plain_token(call: Call) -> Optional[object]:
     return token if only else None
 
 
-def plain_span(call: Call, state: tuple, token: object) -> tuple:
-    """(token, lo, hi, state): a decision for plain PyTorch on ``call``, made with no ``use_backend()``
-    request, holds for every x of the same ``state`` with lo <= x.numel() < hi while ``token`` is
-    ``select._plain_token``: the table answers every token count of the segment ``call``'s came from
-    (``heuristics.m_span``) from that segment, and x's rows hold call.shape[1] elements (a call's shape
-    is (M, width of x, ...) for every module op). A module tests it before its memo: a size inside the
-    span skips the call's key, and variable sequence lengths decide once a segment."""
+def plain_span(call: Call, state: tuple, token: object, found: Decision) -> tuple:
+    """(token, lo, hi, state, captured): ``found``, a decision for plain PyTorch on ``call`` made with
+    no ``use_backend()`` request, holds for every x of the same ``state`` with lo <= x.numel() < hi
+    while ``token`` is ``select._plain_token`` (and, where ``captured`` says the decision names another
+    backend for CUDA-graph capture, outside a capture): the table answers every token count of the
+    segment ``call``'s came from (``heuristics.m_span``) from that segment, and x's rows hold
+    call.shape[1] elements (a call's shape is (M, width of x, ...) for every module op). A module tests
+    it before its memo: a size inside the span skips the call's key, and variable sequence lengths
+    decide once a segment."""
     lo, hi = heuristics.m_span(call)
     row = call.shape[1]
-    return token, lo * row, hi * row, state
+    return token, lo * row, hi * row, state, found.captured is not None

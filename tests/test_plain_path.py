@@ -226,3 +226,26 @@ def test_the_norm_module_keeps_a_span_too(user_dir):
     assert norm._memo.found.call.shape[0] == 3  # M = 4 ran inside the span: no new decision
     norm(torch.randn(6, H))
     assert norm._memo.found.call.shape[0] == 6 and norm._memo.span is None
+
+
+def test_a_span_with_a_capture_pick_holds_outside_a_capture_only(user_dir, monkeypatch):
+    """A plain decision whose cell names another backend for CUDA-graph capture (a GPU's host-bound
+    cell; made here by hand, since a CPU call has no capture pick) keeps its span for calls outside a
+    capture, and a call inside one takes the capture pick."""
+    import dataclasses
+
+    _write(user_dir, {"swiglu": [_segment("pytorch"), _segment("eager", 5)]})
+    real, eager = select.decision, select.backends()["eager"]
+    monkeypatch.setattr(select, "decision", lambda key: dataclasses.replace(real(key), captured=eager))
+    capturing = [False]
+    monkeypatch.setattr(select, "capturing", lambda: capturing[0])
+    m = _mlp()
+    counted = Counted(m)
+    _sizes(m, [(3, H), (4, H), (2, H)])
+    assert m._memo.token is None and m._memo.span[4] and counted.keys == 1 and counted.plain == 3
+    capturing[0] = True
+    m(torch.randn(4, H))  # the capture pick runs: no plain run
+    assert counted.plain == 3
+    capturing[0] = False
+    m(torch.randn(4, H))
+    assert counted.plain == 4

@@ -211,7 +211,8 @@ class FusedMLP(nn.Module):
         # device) the block runs its own forward after two identity tests; with x's size in the span of
         # its last plain decision (``memo.plain_span``) after the state's: x's dtype and device are not
         # in it, since they must be the weights' (fixed until ``_apply`` drops the span) unless autocast
-        # gives the dtype. Else the width is checked where a call's key is made: a probe the memo holds
+        # gives the dtype; a decision with another backend for CUDA-graph capture asks the capture
+        # question too. Else the width is checked where a call's key is made: a probe the memo holds
         # passed it; x of another width, dtype or device inside a span or the token gets the module's
         # own error. In a host-bound step every line here costs 3-5x its time alone (~1 us each on a
         # 2-core CPU; the span's path ~0.5 us in all, the memo's ~1.2).
@@ -233,7 +234,8 @@ class FusedMLP(nn.Module):
             state = (dtype, grad, self.training, self.p, self.p_out)
             span = memo.span
             if (span is not None and span[0] is select._plain_token and span[1] <= x.numel() < span[2]
-                    and span[3] == state and _requested() is None):  # fmt: skip
+                    and span[3] == state and _requested() is None
+                    and not (span[4] and select.capturing())):  # fmt: skip
                 return self.module_forward(x)
             if memo.plain((x.shape, x.dtype, device_key(x)), state,
                           lambda: self._call(self._width(x), dtype, grad)):  # fmt: skip
