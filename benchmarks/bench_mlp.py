@@ -58,6 +58,7 @@ from mlp_blocks import (
     SMOKE_M,
     Entry,
     build,
+    device_of,
     entries,
     gemm_floor,
     held_mib,
@@ -187,13 +188,7 @@ def main() -> None:
     ms = [int(v) for v in args.m.split(",")] if args.m else [SMOKE_M if args.cpu_smoke else 8192]
     args.rep_ms = args.rep_ms or (30.0 if args.quick or args.cpu_smoke else 60.0)
     args.rounds = args.rounds or (2 if args.quick or args.cpu_smoke else timing.ROUNDS)
-    args.tag = args.tag or ("cpu_smoke" if args.cpu_smoke else "")
-    device = common.setup(args)
-    if args.cpu_smoke:
-        device = torch.device("cpu")
-        torch.set_num_threads(args.threads or 1)  # tiny matmuls: more threads only contend
-    elif device.type != "cuda":
-        p.error("no CUDA device: run with --cpu-smoke for a smoke run of tiny sizes")
+    device = device_of(p, args)
     with common.logged(args, "fused_mlp"):
         run(args, blocks, ms, modes, device)
 

@@ -10,11 +10,13 @@ module's three Linears, so it computes with the same weights."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import types
 from typing import Callable, ContextManager, NamedTuple, Optional, Union
 
+import common
 import torch
 from torch import Tensor, nn
 
@@ -109,6 +111,19 @@ class Models(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- entries
+
+
+def device_of(p: argparse.ArgumentParser, args) -> torch.device:
+    """The device a bench_mlp-style run measures on: the CPU with ``--cpu-smoke`` (one thread, tagged
+    cpu_smoke), else CUDA, or the parser's error naming the flag."""
+    args.tag = args.tag or ("cpu_smoke" if args.cpu_smoke else "")
+    device = common.setup(args)
+    if args.cpu_smoke:
+        torch.set_num_threads(args.threads or 1)  # tiny matmuls: more threads only contend
+        return torch.device("cpu")
+    if device.type != "cuda":
+        p.error("no CUDA device: run with --cpu-smoke for a smoke run of tiny sizes")
+    return device
 
 
 @functools.cache

@@ -57,6 +57,7 @@ from mlp_blocks import (
     SMOKE_H,
     SMOKE_M,
     build,
+    device_of,
     entries,
     gemm_floor,
     liger_version,
@@ -265,13 +266,7 @@ def main() -> None:
     if not set(blocks) <= set(BLOCKS) or args.steps < 1:
         p.error(f"--blocks: some of {', '.join(BLOCKS)}; --steps: at least 1")
     ms = [int(v) for v in args.m.split(",")] if args.m else [SMOKE_M if args.cpu_smoke else 8192]
-    args.tag = args.tag or ("cpu_smoke" if args.cpu_smoke else "")
-    device = common.setup(args)
-    if args.cpu_smoke:
-        device = torch.device("cpu")
-        torch.set_num_threads(args.threads or 1)  # tiny matmuls: more threads only contend
-    elif device.type != "cuda":
-        p.error("no CUDA device: run with --cpu-smoke for a smoke run of tiny sizes")
+    device = device_of(p, args)
     with common.logged(args, "profile_mlp"):
         run(args, blocks, ms, device)
 

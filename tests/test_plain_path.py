@@ -41,12 +41,17 @@ def _segment(backend: str, m_from: int = 1) -> dict:
             "host_us": {backend: 4.0, "eager": 5.0}}  # fmt: skip
 
 
-def _write(user, cells: dict[str, list[dict]]) -> None:
-    """A CPU table of fused_mlp float32 cells, activation -> its segments, in both modes."""
+def _write(user, cells: dict[str, list[dict]], op: str = "fused_mlp") -> None:
+    """A CPU table of float32 cells in both modes: fused_mlp's by activation -> its segments, or
+    add_norm's by norm -> its segments."""
     info = heuristics.device_info(torch.device("cpu"))
-    entries = [{"op": "fused_mlp", "dtype": "float32", "activation": act, "mode": mode, "dropout": False,
-                "features": [H, F], "segments": segments}
-               for act, segments in cells.items() for mode in ("inference", "training")]  # fmt: skip
+    if op == "fused_mlp":
+        traits = [({"activation": act, "dropout": False, "features": [H, F]}, segs)
+                  for act, segs in cells.items()]  # fmt: skip
+    else:
+        traits = [({"norm": norm, "features": [H]}, segs) for norm, segs in cells.items()]
+    entries = [{"op": op, "dtype": "float32", "mode": mode, **keys, "segments": segs}
+               for keys, segs in traits for mode in ("inference", "training")]  # fmt: skip
     table = {"schema_version": heuristics.SCHEMA_VERSION, "device": info,
              "versions": heuristics.running_versions(), "entries": entries}  # fmt: skip
     (user / f"{info['slug']}.json").write_text(json.dumps(table))
@@ -207,15 +212,7 @@ def test_a_span_dies_with_the_caches_generation(user_dir):
 
 
 def test_the_norm_module_keeps_a_span_too(user_dir):
-    info = heuristics.device_info(torch.device("cpu"))
-    entries = [{"op": "add_norm", "dtype": "float32", "norm": "rms", "mode": mode, "features": [H],
-                "segments": [_segment("pytorch"), _segment("eager", 5)]}
-               for mode in ("inference", "training")]  # fmt: skip
-    table = {"schema_version": heuristics.SCHEMA_VERSION, "device": info,
-             "versions": heuristics.running_versions(), "entries": entries}  # fmt: skip
-    (user_dir / f"{info['slug']}.json").write_text(json.dumps(table))
-    heuristics.reload()
-    select.clear_cache()
+    _write(user_dir, {"rms": [_segment("pytorch"), _segment("eager", 5)]}, op="add_norm")
     norm = FusedRMSNorm(H)
     x = torch.randn(3, H)
     want = norm(x)
