@@ -79,8 +79,10 @@ def implementing() -> list[str]:
     return [n for n in common.registered() if backends()[n].implements("fused_mlp")]
 
 
-def measure_row(name: str, m: int, mode: str, args, device) -> dict:
-    """One block at M tokens in one mode: validate, time in interleaved rounds, then memory."""
+def block_row(name: str, m: int, mode: str, args, device) -> tuple:
+    """A row's start for one block at M tokens in one mode: (row, models, x, grad_y, the backends that
+    serve its call, why the others do not); the row says the block, the weights' form, the pick and
+    why Liger is out."""
     from dispatch import explain
     from dispatch.ops.fused_mlp import parse
 
@@ -98,6 +100,13 @@ def measure_row(name: str, m: int, mode: str, args, device) -> dict:
         call = parse(x, *models.weights, act, p, 0.0, training).call
         row["picked"] = explain("fused_mlp", x, *models.weights, act, p, 0.0, training).backend.name
     ok, why = common.available(call, implementing())
+    return row, models, x, gy, ok, why
+
+
+def measure_row(name: str, m: int, mode: str, args, device) -> dict:
+    """One block at M tokens in one mode: validate, time in interleaved rounds, then memory."""
+    row, models, x, gy, ok, why = block_row(name, m, mode, args, device)
+    training, p = mode != "forward", row["p"]
     row.update({f"skip:mlp/{b}": reason for b, reason in why.items()})
     valid = validate(entries(models, 0.0, training, ok), models, x, gy, training)
     found = entries(models, p, training, ok)

@@ -6,13 +6,13 @@ launches, and the time over the floor (the block's GEMMs alone).
                                      [--entries pytorch,compile,mlp/dispatch | all] [--gate-pair]
     python benchmarks/profile_mlp.py --cpu-smoke   # tiny sizes on the CPU: CPU ops' self time, no compile
 
-Blocks, entries, weights and the step are bench_mlp's (``mlp_blocks``: ``build``, ``entries``, ``step``,
-``gemm_floor``), in its forward+backward mode (autograd.grad of x and every weight), bf16, M = 8192
-tokens; ``--gate-pair`` as there (gated blocks: fused_mlp gets the module's own (gate, up) pair).
-Default entries: pytorch, compile, composed (non-gated blocks), mlp/dispatch, mlp/triton,
-mlp/triton+epilogues and liger (where liger_kernel imports), with torch.mm, the floor, always;
-``--entries all`` profiles every entry bench_mlp times. Each entry is called WARMUP times, then
-``--steps`` steps run under the profiler (CUDA activity) and every number is divided by the steps.
+Blocks, entries, weights and the step are bench_mlp's (``bench_mlp.block_row``; ``entries``, ``step`` and
+``gemm_floor`` of ``mlp_blocks``), in its forward+backward mode (autograd.grad of x and every weight),
+bf16, M = 8192 tokens; ``--gate-pair`` as there (gated blocks: fused_mlp gets the module's own (gate, up)
+pair). Default entries: pytorch, compile, composed (non-gated blocks), mlp/dispatch, mlp/triton,
+mlp/triton+epilogues and liger (where liger_kernel imports), with torch.mm, the floor, always; ``--entries
+all`` profiles every entry bench_mlp times. Each entry is called WARMUP times, then ``--steps`` steps run
+under the profiler (CUDA activity) and every number is divided by the steps.
 
 Categories, by kernel name, first match wins (``categorize``):
   products    GEMMs: gemm, nvjet, cutlass, xmma, sm90_, Kernel2, splitK (cuBLAS and CUTLASS),
@@ -56,7 +56,6 @@ from mlp_blocks import (
     SMOKE_F,
     SMOKE_H,
     SMOKE_M,
-    build,
     device_of,
     entries,
     gemm_floor,
@@ -172,23 +171,11 @@ def profile_step(fn: timing.Fn, steps: int, device: torch.device) -> dict:
 
 def profile_row(name: str, m: int, args, device: torch.device) -> dict:
     """One block at M tokens: each chosen entry's step profiled, then the floor's; the over-floor column."""
-    from dispatch import explain
-    from dispatch.ops.fused_mlp import parse
-
-    h, f, act, p = BLOCKS[name]
-    h, f = (SMOKE_H, SMOKE_F) if args.cpu_smoke else (h, f)
-    dtype = DTYPES[args.dtype]
-    models, no_liger = build(h, f, act, p, dtype, device, args)
-    row = dict(block=name, M=m, H=h, F=f, act=act, p=p, dtype=args.dtype, mode=MODE, steps=args.steps)
-    row["w_in"] = "pair" if models.weights.pair else "one tensor"
-    row["clock"] = "CUDA kernels" if device.type == "cuda" else "CPU ops' self time"
-    x = torch.randn(m, h, device=device, dtype=dtype).requires_grad_()  # (M, H)
-    gy = torch.randn(m, h, device=device, dtype=dtype)  # (M, H)
-    call = parse(x, *models.weights, act, p, 0.0, True).call
-    row["picked"] = explain("fused_mlp", x, *models.weights, act, p, 0.0, True).backend.name
-    ok, why = common.available(call, bench_mlp.implementing())
+    row, models, x, gy, ok, why = bench_mlp.block_row(name, m, MODE, args, device)
+    p = row["p"]
+    row.update(steps=args.steps, clock="CUDA kernels" if device.type == "cuda" else "CPU ops' self time")
     found = entries(models, p, True, ok)
-    reasons = {"liger": no_liger, "composed": "gated blocks have none"}
+    reasons = {"liger": row.pop("skip:liger", ""), "composed": "gated blocks have none"}
     reasons.update({f"mlp/{b}": r for b, r in why.items()})
     # triton's variants, where triton cannot serve
     for variant in ("mlp/triton+epilogues", "mlp/triton+keep", "compile+mlp/triton"):

@@ -17,10 +17,11 @@ class Memo:
     """A module's last decision, for modules that run their own PyTorch where plain PyTorch is picked
     (``dispatch.nn``): ``plain(of_x, state, make_call)`` decides again only when ``of_x`` (x's shape,
     or shape, dtype and device), ``state`` (the rest of what the module's call key is made of: grad,
-    mode, autocast), the ``use_backend`` request or the caches' generation changed. A decision for
-    plain PyTorch keeps ``plain_token``'s token (``token``: the module skips the memo while plain
-    PyTorch is its only pick) and ``plain_span``'s span (``span``: the module skips the memo for an x
-    of that state whose size falls in the table segment the decision came from; ``spans`` tests it).
+    mode, autocast), the ``use_backend`` request or the caches' generation (``select._plain_token``)
+    changed. A decision for plain PyTorch keeps ``plain_token``'s token (``token``: the module skips
+    the memo while plain PyTorch is its only pick) and ``plain_span``'s span (``span``: the module
+    skips the memo for an x of that state whose size falls in the table segment the decision came
+    from; ``spans`` tests it).
     Building a call's key and looking it up costs ~2.5 us a call on a 2-core CPU, a repeated probe
     ~0.5 us, the span's test ~0.2. The probe and its decision are one tuple, replaced whole (threads
     calling one module never pair a probe with another's decision). Copies and pickles start empty."""
@@ -48,14 +49,15 @@ class Memo:
     def plain(self, of_x: tuple, state: tuple, make_call: Callable[[], Call]) -> bool:
         """Whether calls like ``make_call()``'s, with no backend argument, run on plain PyTorch (the
         pytorch backend) by the current request, table and capture state."""
-        probe = (of_x, state, _requested.get(), select._generation)
+        token = select._plain_token  # the caches' generation: a decision that empties them makes a new
+        # one, and what was kept under the old one goes unused
+        probe = (of_x, state, _requested.get(), token)
         entry = self.entry
         if entry is None or entry[0] != probe:
-            call, token = make_call(), select._plain_token  # the token before the decision: one that
-            # empties the caches makes a new one, and the span made under the old one goes unused
+            call = make_call()
             entry = self.entry = (probe, select.decision(select.key(call, None)))
             plain = entry[1].backend.name == "pytorch"
-            self.token = plain_token(call) if plain and entry[1].captured is None else None
+            self.token = plain_token(call, token) if plain and entry[1].captured is None else None
             self.span = plain_span(call, state, token, entry[1]) if plain and probe[2] is None else None
         found = entry[1]
         if found.captured is not None and select.capturing():
@@ -69,18 +71,17 @@ class Memo:
         return (Memo, ())
 
 
-def plain_token(call: Call) -> Optional[object]:
-    """The token (``_plain_token``) a module may keep to run plain PyTorch with no decision per call, or
-    None. It is given where nothing asks for a backend (no ``use_backend()``, ``DISPATCH_BACKEND`` or
-    ``spec_masks()``) and every call of ``call``'s op and traits (its dropout aside) on its device is
-    decided plain PyTorch whatever its shape, dtype, mode or dropout, in a CUDA graph too: no table
-    serves the device, or every segment of its entries for them names pytorch by both clocks. A module
-    keeps it while it is ``select._plain_token`` and no ``use_backend()`` is entered (two identity
-    tests a call), and drops it when its parameters move (``_apply``). Plain PyTorch is the module's
-    own forward, correct on every call: a token kept too long costs speed, never a result."""
+def plain_token(call: Call, token: object) -> Optional[object]:
+    """``token`` (``select._plain_token`` as the decision on ``call`` began), which a module may keep to run
+    plain PyTorch with no decision per call, or None. It is given where nothing asks for a backend (no
+    ``use_backend()``, ``DISPATCH_BACKEND`` or ``spec_masks()``) and every call of ``call``'s op and traits
+    (its dropout aside) on its device is decided plain PyTorch whatever its shape, dtype, mode or dropout, in
+    a CUDA graph too: no table serves the device, or every segment of its entries for them names pytorch by
+    both clocks. A module keeps it while it is ``select._plain_token`` and no ``use_backend()`` is entered
+    (two identity tests a call), and drops it when its parameters move (``_apply``). Plain PyTorch is the
+    module's own forward, correct on every call: a token kept too long costs speed, never a result."""
     if select.env_backend() is not None or select._spec_masks or _requested.get() is not None:
         return None
-    token = select._plain_token  # the one the answer is made under, should another thread empty the caches
     traits = tuple((n, v) for n, v in zip(call.traits, call.values) if n != "dropout")  # the mode's
     k = (call.op, call.device, traits)
     only = select._plain_only.get(k)

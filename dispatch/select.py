@@ -46,7 +46,6 @@ class Request(NamedTuple):
 Key = Union[Call, Request]
 _new = tuple.__new__  # a Request without NamedTuple's __new__, one Python frame more
 _cache: dict[Key, "Decision"] = {}
-_generation = 0  # bumped whenever the caches are emptied (``Memo``s compare it)
 # The same keys -> what runs such calls: the spec's runner over the chosen backend's kernels.
 _impls: dict[Key, object] = {}
 # A call -> the kernels a compiled graph's custom op runs it on, where the decision's take no spec rng.
@@ -220,14 +219,14 @@ def clear_cache() -> None:
 
 def _new_generation() -> None:
     """The caches were emptied: every ``Memo`` decides again, every armed module (``plain_token``) too."""
-    global _generation, _plain_token
-    _generation += 1
+    global _plain_token
     _plain_token = object()
     _plain_only.clear()
 
 
-# Valid while it is this object: a module armed with it (``plain_token``) runs its own forward with no
-# decision per call. Replaced whenever the caches are emptied (clear_cache, spec_masks, a full cache).
+# The caches' generation, replaced whenever they are emptied (clear_cache, spec_masks, a full cache):
+# memos compare it, and a module armed with it (``memo.plain_token``) runs its own forward with no
+# decision per call while it is this object.
 _plain_token = object()
 _plain_only: dict[tuple, bool] = {}  # (op, device, traits) -> whether plain PyTorch is the only pick
 

@@ -215,7 +215,7 @@ class FusedMLP(nn.Module):
         # question too. Else the width is checked where a call's key is made: a probe the memo holds
         # passed it; x of another width, dtype or device inside a span or the token gets the module's
         # own error. In a host-bound step every line here costs 3-5x its time alone (~1 us each on a
-        # 2-core CPU; the span's path ~0.5 us in all, the memo's ~1.2).
+        # 2-core CPU; the span's path ~0.8 us in all, the memo's ~1.2).
         backend = None
         if _compiling():
             from dispatch import compiling  # imports torch._dynamo: under compile only, as dispatch.api
@@ -232,13 +232,10 @@ class FusedMLP(nn.Module):
             dtype = _autocast_dtype(x)
             grad = self._grad(x)
             state = (dtype, grad, self.training, self.p, self.p_out)
-            span = memo.span
-            if (span is not None and span[0] is select._plain_token and span[1] <= x.numel() < span[2]
-                    and span[3] == state and _requested() is None
-                    and not (span[4] and select.capturing())):  # fmt: skip
+            if memo.spans(x, state):
                 return self.module_forward(x)
-            if memo.plain((x.shape, x.dtype, device_key(x)), state,
-                          lambda: self._call(self._width(x), dtype, grad)):  # fmt: skip
+            of_x = (x.shape, x.dtype, device_key(x))
+            if memo.plain(of_x, state, lambda: self._call(self._width(x), dtype, grad)):
                 return self.module_forward(x)
         if dtype is not None:
             x = _cast(x, dtype)
