@@ -12,7 +12,7 @@
 #   parity                    python -m dispatch.parity --quick
 #   bench_bias_act_dropout, bench_fused_linear, bench_dispatch_overhead, bench_e2e, bench_mlp,
 #   bench_e2e_llama, bench_judge, bench_add_norm, sweep_add_norm, bench_module_host, profile_mlp,
-#   sweep_mlp_passes
+#   sweep_mlp_passes, probe_epilogue_mlp
 #                             benchmarks/<stage>.py --out $R, then $ARGS_<stage> or else $BENCH_ARGS
 #   benchmarks                the four benchmarks with --quick, one after another
 #   calfull                   the full calibration into calibrate_points-<gpu>$CAL_TAG.json (raw points) and
@@ -111,7 +111,8 @@ for arg in "$@"; do
     pytest) stage pytest "$limit" bash -c "python3 -m pytest -q -p no:cacheprovider -rfE ${PYTEST_ARGS:?}" ;;
     parity) stage parity "$limit" python3 -m dispatch.parity --quick ;;
     bench_bias_act_dropout | bench_fused_linear | bench_dispatch_overhead | bench_e2e | bench_mlp | bench_e2e_llama | \
-      bench_judge | bench_add_norm | sweep_add_norm | bench_module_host | profile_mlp | sweep_mlp_passes)
+      bench_judge | bench_add_norm | sweep_add_norm | bench_module_host | profile_mlp | sweep_mlp_passes | \
+      probe_epilogue_mlp)
       own="ARGS_$name"
       # shellcheck disable=SC2086  (a list of arguments)
       stage "$name" "$limit" python3 "benchmarks/$name.py" --out "$R" ${!own:-${BENCH_ARGS:-}} ;;
