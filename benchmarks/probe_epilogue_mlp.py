@@ -15,6 +15,11 @@ It keeps a and pre (the module's bytes, as "keep"). cuBLASLt's epilogues want co
 so every product is posed transposed: (W_in, x^T) -> a^T, column-major, which is a row-major.
 
     python benchmarks/probe_epilogue_mlp.py [--out DIR] [--m 8192,2048] [--blocks gpt2,gpt2-relu]
+    python benchmarks/probe_epilogue_mlp.py --pieces     # each epilogue GEMM alone against cuBLAS's
+
+--pieces times the two epilogue products alone (GPU clock), each against the plain product cuBLAS runs
+for it and nvmath's own plain product, with cuBLASLt's first heuristic pick and after nvmath's autotune
+over 16 candidates, and names the kernel each ran (torch.profiler).
 """
 
 from __future__ import annotations
@@ -122,6 +127,62 @@ def row(name: str, m: int, mode: str, args, device) -> dict:
     return out
 
 
+def _kernel(fn) -> str:
+    """The longest kernel one call of ``fn`` runs, by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return max(kernels, key=lambda e: e.device_time).name[:60] if kernels else "-"
+
+
+def pieces(args, device) -> list[list]:
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog
+
+    def planned(a, b, epilog, inputs, tune):
+        mm = Matmul(a, b)
+        epi = None if epilog is None else getattr(MatmulEpilog, epilog)
+        mm.plan(epilog=epi, epilog_inputs=inputs, preferences={"limit": 16})
+        if tune:
+            mm.autotune(iterations=10)
+        return mm.execute
+
+    table = []
+    for name in args.blocks.split(","):
+        h, f, act, _ = PROBE_BLOCKS[name]
+        if act not in FORWARD:
+            continue
+        for m in (int(v) for v in args.m.split(",")):
+            new = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16) / s[-1] ** 0.5  # noqa: E731
+            x, w_in, b_in, w_out, g = new(m, h), new(f, h), new(f), new(h, f), new(m, h)
+            aux = planned(w_in, x.t(), FORWARD[act][0], {"bias": b_in}, False)()[1][FORWARD[act][1]]
+            up = (w_in, x.t(), FORWARD[act][0], {"bias": b_in})
+            cases = {
+                "forward: torch.addmm + bias": lambda: torch.addmm(b_in, x, w_in.t()),
+                "forward: nvmath plain": planned(w_in, x.t(), None, None, False),
+                f"forward: nvmath {FORWARD[act][0]}": planned(*up, False),
+                f"forward: nvmath {FORWARD[act][0]}, tuned": planned(*up, True),
+                "backward: torch.mm g W_out": lambda: torch.mm(g, w_out),
+                "backward: nvmath plain": planned(w_out.t(), g.t(), None, None, False),
+                f"backward: nvmath {BACKWARD[act][0]}": planned(w_out.t(), g.t(), BACKWARD[act][0],
+                                                                {FORWARD[act][1]: aux}, False),
+                f"backward: nvmath {BACKWARD[act][0]}, tuned": planned(w_out.t(), g.t(), BACKWARD[act][0],
+                                                                       {FORWARD[act][1]: aux}, True),
+            }  # fmt: skip
+            for case, fn in cases.items():
+                try:
+                    us = timing.gpu_ms(fn, args.rep_ms) * 1e3
+                    table.append([name, m, case, round(us, 1), _kernel(fn)])
+                except Exception as exc:
+                    table.append([name, m, case, None, timing.describe(exc)[:60]])
+                print(table[-1], flush=True)
+    return table
+
+
 def main() -> None:
     p = common.parser(__doc__.split("\n\n")[0])
     p.add_argument("--m", default="8192", help="tokens, comma-separated")
@@ -133,8 +194,15 @@ def main() -> None:
     p.add_argument("--compile-mode", default="default")
     p.add_argument("--gate-pair", action="store_true")
     p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument("--pieces", action="store_true", help="each epilogue product alone (CUDA)")
     args = p.parse_args()
     device = device_of(p, args)
+    if args.pieces:
+        with common.logged(args, "probe_epilogue_pieces"):
+            table = pieces(args, device)
+            common.write(args, "probe_epilogue_pieces", {"rows": table}, device)
+            print(tabulate(table, headers=["block", "M", "product", "GPU us", "longest kernel"]))
+        return
     rows, start = [], time.perf_counter()
     with common.logged(args, "probe_epilogue_mlp"):
         for name in args.blocks.split(","):
