@@ -96,6 +96,41 @@ class EpilogueMLP(torch.autograd.Function):
         return grad_x, grad_w_in, grad_b_in.reshape(-1), grad_w_out, grad_b_out.reshape(-1), None, None
 
 
+class HybridMLP(torch.autograd.Function):
+    """The forward's product with the activation in cuBLASLt's epilogue (GELU_AUX_BIAS: a and pre;
+    relu: RELU_BIAS, a alone, since relu'(pre) = relu'(a)), the backward triton fused_mlp's "keep"
+    backward over (pre, a): its one pass after cuBLAS's g @ W_out."""
+
+    @staticmethod
+    def forward(ctx, x, w_in, b_in, w_out, b_out, act: str):
+        relu = act == "relu"
+        epilog = "RELU_BIAS" if relu else FORWARD[act][0]
+        a_t, aux = PLANS(w_in, x.t(), epilog, {"bias": b_in})
+        a = a_t.t()  # (M, F), row-major where the epilogue wants a column-major result
+        pre = a if relu else aux[FORWARD[act][1]].t()
+        ctx.save_for_backward(x, w_in, b_in, w_out, b_out, pre, a)
+        ctx.act = act
+        return torch.addmm(b_out, a, w_out.t())
+
+    @staticmethod
+    def backward(ctx, gy):
+        from dispatch.backends.triton import fused_mlp as triton_mlp
+        from dispatch.ops.fused_mlp_math import MLPOperands
+
+        x, w_in, b_in, w_out, b_out, pre, a = ctx.saved_tensors
+        b = MLPOperands(x, w_in, None, b_in, None, w_out, b_out, ctx.act, 0.0, 0.0)
+        grads = triton_mlp.backward(gy.contiguous(), b, (None, None), (pre, a), (True,) * 7)
+        grad_x, grad_w_in, _, grad_b_in, _, grad_w_out, grad_b_out = grads
+        return grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out, None
+
+
+def hybrid_entry(models):
+    from mlp_blocks import Entry
+
+    w, act = models.weights, models.activation
+    return Entry(lambda x: HybridMLP.apply(x, w.w_in, w.b_in, w.w_out, w.b_out, act), w.present, False)
+
+
 def epilogue_entry(models, bgradb: bool):
     from mlp_blocks import Entry
 
@@ -114,7 +149,8 @@ def row(name: str, m: int, mode: str, args, device) -> dict:
     x = torch.randn(m, h, device=device, dtype=torch.bfloat16).requires_grad_(training)
     gy = torch.randn(m, h, device=device, dtype=torch.bfloat16)
     found = {k: v for k, v in entries(models, p, training, ["triton"]).items() if k in KEEP}
-    for bgradb in (False, True):
+    found["cublaslt-forward+triton-keep"] = hybrid_entry(models)
+    for bgradb in (False, True) if args.all_epilogues else ():
         found["cublaslt-epilogues" + ("+bgradb" if bgradb else "")] = epilogue_entry(models, bgradb)
     valid = validate(found, models, x, gy, training)
     runs = {n: step(e, x, gy, mode) for n, e in found.items()}
@@ -195,6 +231,7 @@ def main() -> None:
     p.add_argument("--gate-pair", action="store_true")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--pieces", action="store_true", help="each epilogue product alone (CUDA)")
+    p.add_argument("--all-epilogues", action="store_true", help="also both products with epilogues")
     args = p.parse_args()
     device = device_of(p, args)
     if args.pieces:
