@@ -129,6 +129,8 @@ CASES = [
     ("geglu_tanh", False, False, 0.3, 0.2, F32, (7, 5, 16, 5)),
     ("reglu", True, True, 0.3, 0.2, F32, (7, 9, 17, 5)),
     ("reglu", False, True, 0.0, 0.0, F32, (1, 5, 6, 5)),
+    ("relu", False, True, 0.0, 0.2, F32, (7, 9, 17, 9)),
+    ("relu", False, False, 0.0, 0.0, BF16, (7, 5, 16, 5)),
     ("swiglu", True, True, 0.3, 0.2, BF16, (7, 9, 17, 9)),
 ]
 
@@ -265,6 +267,34 @@ def test_keep_variant_forms_a_once(device, variant, monkeypatch):
     assert asked == {"keep": [False], "passes": [True], "epilogues": []}[variant]
 
 
+def test_relu_runs_in_the_product(device, variant, monkeypatch):
+    """relu without hidden dropout: the first product writes a (cuBLASLt's epilogue), no forward pass
+    runs, and backward reads that a for pre without forming it again; with dropout the pass runs."""
+    forms, asked = [], []
+    real_forward, real_backward = mlp_hidden.forward, mlp_hidden.backward
+    monkeypatch.setattr(mlp_hidden, "forward", lambda *a: forms.append(a[1]) or real_forward(*a))
+    monkeypatch.setattr(mlp_hidden, "backward", lambda *a: asked.append(a[6]) or real_backward(*a))
+    tensors = _inputs("relu", False, True, F32, (7, 5, 6, 5), device)
+    assert_matches(tensors, "relu", 0.0, 0.2)
+    assert forms == [] and asked == ([] if variant == "epilogues" else [False])
+    assert_matches(tensors, "relu", 0.3, 0.2)
+    assert forms == ([] if variant == "epilogues" else ["relu"])
+
+
+def test_gelu_tanh_inference_in_the_product_on_cuda_only(device, variant, monkeypatch):
+    """Without autograd gelu_tanh runs in cuBLASLt's epilogue on CUDA; on the CPU, where
+    _addmm_activation's GELU is erf's, the pass runs. Either way y is the reference's."""
+    forms = []
+    real = mlp_hidden.forward
+    monkeypatch.setattr(mlp_hidden, "forward", lambda *a: forms.append(a[1]) or real(*a))
+    tensors = _inputs("gelu_tanh", False, True, F32, (7, 9, 16, 9), device)
+    with torch.no_grad():
+        y = _public("triton", tensors, "gelu_tanh", 0.0, 0.0, 5, None, (False,) * 7)[0]
+    check("y", y, _reference(tensors, "gelu_tanh", 0.0, 0.0, 5, None, (False,) * 7)[0])
+    passes = variant != "epilogues" and device == "cpu"
+    assert forms == (["gelu_tanh"] if passes else [])
+
+
 @pytest.mark.parametrize("split", [1, 2])
 def test_epilogue_kernels_take_a_forced_config(device, variant, split):
     """matmul.options' config reaches the epilogue kernels too, warp-specialized tile loop and the
@@ -328,8 +358,10 @@ def test_eval_mode_drops_nothing(device):
         ("geglu", True, torch.float16, (1823, 129, 781, 129)),
         ("gelu", False, BF16, (4096, 768, 3072, 768)),
         ("squared_relu", False, F32, (1823, 129, 781, 257)),
+        ("relu", False, BF16, (4096, 768, 3072, 768)),
     ],
     ids=str,
 )
 def test_real_sizes(activation, pair, dtype, shape, device):
-    assert_matches(_inputs(activation, pair, True, dtype, shape, device), activation, 0.1, 0.1)
+    p = 0.0 if activation == "relu" else 0.1  # relu without hidden dropout: in the product's epilogue
+    assert_matches(_inputs(activation, pair, True, dtype, shape, device), activation, p, 0.1)

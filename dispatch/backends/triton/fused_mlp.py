@@ -27,8 +27,14 @@ custom op keeps pre alone, and backward forms a again.
 Variant "epilogues" (``options``; mlp_gemm.py) runs the products that carry pointwise work on Triton
 with that work in their epilogues: pre and a from the first product (a gate's two halves from one
 pass over x), y's bias and output dropout from the second, and grad_pre, a and the bias partials
-from g @ W_out; the other products stay on cuBLAS. Its speed against "passes" is unmeasured, so
-"passes" is the default.
+from g @ W_out; the other products stay on cuBLAS. It ran 1.11-1.47x the time of "passes" (bf16
+training steps of bench_mlp's six blocks), so "passes" is the default.
+
+relu (no hidden dropout, one weight) and, without autograd on CUDA, gelu_tanh run in cuBLASLt's
+epilogue of the first product (``torch._addmm_activation``): a is written by the product and the
+forward pass goes (GPT-2's up projection forward at 8192 tokens, bf16, H200: 71 us against 96 for
+addmm and the pass). relu's backward reads a for pre, kept once; gelu_tanh's needs pre, which the
+epilogue does not return.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from dispatch.contracts.backend import Kernels
 from dispatch.ops.fused_mlp_math import MLPOperands, gate_halves
 
 VARIANTS = ("passes", "keep", "epilogues")
+EPILOGUE_GELU = {"relu": False, "gelu_tanh": True}  # the activations cuBLASLt's epilogue runs: use_gelu
 DEFAULT_VARIANT = "passes"  # until bench_mlp's mlp/triton+epilogues column is timed on the GPU
 _chosen: list[Optional[str]] = [None]
 
@@ -90,15 +97,40 @@ def _project_in(b: MLPOperands) -> Tensor:
     return pre
 
 
-def forward(b: MLPOperands, rngs: tuple) -> tuple[Tensor, tuple[Tensor, ...]]:
-    if _variant(b):
-        return _forward_epilogues(b, rngs, keep_pre=True)
-    pre = _project_in(b)  # (M, F) or (M, 2F)
-    a = mlp_hidden.forward(pre, b.activation, b.p, rngs[0] if b.p > 0 else None)  # (M, F)
+def _in_product(b: MLPOperands, training: bool) -> bool:
+    """Whether the first product runs the activation in cuBLASLt's epilogue (``torch._addmm_activation``)
+    and writes a itself, with no pass: relu, and gelu_tanh without autograd on CUDA (on the CPU the op's
+    GELU is erf's); one weight, no hidden dropout. gelu_tanh's backward needs pre, which the epilogue
+    does not return; relu's needs only where a > 0, where pre > 0."""
+    if b.activation not in EPILOGUE_GELU or b.p > 0 or b.w_up is not None:
+        return False
+    return b.activation == "relu" or not (training or b.b_in is None or not b.x.is_cuda)
+
+
+def _activated(b: MLPOperands) -> Tensor:
+    """a = act(x @ W_in^T + b_in) from one product, the activation in its epilogue (M, F, H > 1; else
+    PyTorch runs the unfused GEMM and activation, the same function)."""
+    if b.b_in is None:  # relu alone: no epilogue without a bias vector
+        return torch.mm(b.x, b.w_in.t()).relu_()
+    return torch._addmm_activation(b.b_in, b.x, b.w_in.t(), use_gelu=EPILOGUE_GELU[b.activation])
+
+
+def _project_out(a: Tensor, b: MLPOperands, rngs: tuple) -> Tensor:
     y = _linear(a, b.w_out, b.b_out)  # (M, H_out)
     if b.p_out > 0:
         y = bias_act_dropout.KERNELS.forward(y, None, "identity", b.p_out, rngs[1])
-    return y, ((pre, a) if _chosen[0] == "keep" else (pre,))
+    return y
+
+
+def forward(b: MLPOperands, rngs: tuple) -> tuple[Tensor, tuple[Tensor, ...]]:
+    if _variant(b):
+        return _forward_epilogues(b, rngs, keep_pre=True)
+    if _in_product(b, training=True):  # relu: a stands for pre (relu'(pre) = relu'(a)) and is kept
+        a = _activated(b)
+        return _project_out(a, b, rngs), (a, a)
+    pre = _project_in(b)  # (M, F) or (M, 2F)
+    a = mlp_hidden.forward(pre, b.activation, b.p, rngs[0] if b.p > 0 else None)  # (M, F)
+    return _project_out(a, b, rngs), ((pre, a) if _chosen[0] == "keep" else (pre,))
 
 
 def _forward_epilogues(b: MLPOperands, rngs: tuple, keep_pre: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
@@ -120,6 +152,8 @@ def _forward_epilogues(b: MLPOperands, rngs: tuple, keep_pre: bool) -> tuple[Ten
 def inference(b: MLPOperands, rngs: tuple) -> Tensor:
     if _variant(b):
         return _forward_epilogues(b, rngs, keep_pre=False)[0]
+    if _in_product(b, training=False):
+        return _project_out(_activated(b), b, rngs)
     return forward(b, rngs)[0]
 
 
