@@ -1,4 +1,5 @@
-"""Probe (issue 48 item 1): a non-gated block's pointwise work in cuBLASLt's epilogues, through
+"""Probe: a non-gated block's pointwise work in cuBLASLt's epilogues (the design Apex's
+FusedDenseGeluDense and Transformer Engine use, to be weighed against the passes), through
 nvmath-python, measured beside the module, torch.compile, triton's passes and "keep" and the GEMM floor
 before it becomes a backend. bf16, GPU time by CUDA graph and wall time, interleaved (bench_mlp's
 harness), every entry checked against the float64 reference first.
@@ -33,6 +34,7 @@ import time
 import common
 import torch
 from mlp_blocks import BLOCKS, FLOOR, build, device_of, entries, gemm_floor, step, validate
+from profile_mlp import profile_step
 from tabulate import tabulate
 
 from dispatch import timing
@@ -167,19 +169,6 @@ def row(name: str, m: int, mode: str, args, device) -> dict:
     return out
 
 
-def _kernel(fn) -> str:
-    """The longest kernel one call of ``fn`` runs, by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return max(kernels, key=lambda e: e.device_time).name[:60] if kernels else "-"
-
-
 def pieces(args, device) -> list[list]:
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
@@ -216,7 +205,8 @@ def pieces(args, device) -> list[list]:
             for case, fn in cases.items():
                 try:
                     us = timing.gpu_ms(fn, args.rep_ms) * 1e3
-                    table.append([name, m, case, round(us, 1), _kernel(fn)])
+                    longest = profile_step(fn, 1, device)["top"][0][0]
+                    table.append([name, m, case, round(us, 1), longest[:60]])
                 except Exception as exc:
                     table.append([name, m, case, None, timing.describe(exc)[:60]])
                 print(table[-1], flush=True)
