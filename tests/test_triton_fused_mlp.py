@@ -33,10 +33,12 @@ F32, BF16 = torch.float32, torch.bfloat16
 GRADS = tuple(f"grad_{name}" for name in TENSORS)
 
 
-@pytest.fixture(autouse=True, params=triton_fused_mlp.VARIANTS)
+# "cublaslt" runs cuBLASLt on CUDA alone (the CPU runs "passes" for it; test_gelu_aux_product.py fakes it)
+@pytest.fixture(autouse=True, params=[v for v in triton_fused_mlp.VARIANTS
+                                      if v != "cublaslt" or torch.cuda.is_available()])  # fmt: skip
 def variant(request):
     """Every test under each variant: the products on cuBLAS with passes (keeping pre, or pre and a),
-    and on Triton with the passes in their epilogues."""
+    on Triton with the passes in their epilogues, and gelu_tanh's first product in cuBLASLt's."""
     with triton_fused_mlp.options(variant=request.param):
         yield request.param
 
@@ -264,7 +266,7 @@ def test_keep_variant_forms_a_once(device, variant, monkeypatch):
     real = mlp_hidden.backward
     monkeypatch.setattr(mlp_hidden, "backward", lambda *a: asked.append(a[6]) or real(*a))
     assert_matches(_inputs("gelu_tanh", False, True, F32, (7, 5, 6, 5), device), "gelu_tanh", 0.3, 0.2)
-    assert asked == {"keep": [False], "passes": [True], "epilogues": []}[variant]
+    assert asked == {"keep": [False], "passes": [True], "epilogues": [], "cublaslt": [True]}[variant]
 
 
 def test_relu_runs_in_the_product(device, variant, monkeypatch):
