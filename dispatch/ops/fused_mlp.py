@@ -233,8 +233,11 @@ class FusedMLPSpec(OpSpec):
     grid = Grid(
         features=((768, 3072), (1024, 4096), (896, 4864), (4096, 11008)),  # GPT-2, BERT-large, Qwen2, LLaMA-2
         quick={"cuda": ((768, 3072), (4096, 11008)), "cpu": ((64, 256),)},
+        # gelu_tanh and relu: the first product's epilogue writes a without dropout (triton's block 0.92-0.94x
+        # the passes' time at GPT-2's, H100); the rest run the passes
         classes=(
-            ("gelu_tanh", "gelu", "silu", "relu", "identity", "leaky_relu", "squared_relu"),
+            ("gelu_tanh", "relu"),
+            ("gelu", "silu", "identity", "leaky_relu", "squared_relu"),
             ("swiglu", "geglu", "geglu_tanh", "reglu"),
         ),  # fmt: skip
         gemm=True,
