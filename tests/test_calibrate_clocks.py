@@ -244,7 +244,7 @@ def test_each_op_is_calibrated_at_its_own_activations(user_dir):
         run.plan_tasks(fams)
         return {f.op: {t.series.rep for t in q} for f, q in run.queue.items()}
 
-    assert reps() == {"fused_mlp": {"gelu_tanh", "swiglu"}, "bias_act_dropout": {"gelu", "relu"}}
+    assert reps() == {"fused_mlp": {"gelu_tanh", "gelu", "swiglu"}, "bias_act_dropout": {"gelu", "relu"}}
     only = {"fused_mlp": {"swiglu", "relu"}, "bias_act_dropout": {"relu"}}  # swiglu is fused_mlp's alone
     assert reps("--activations", "swiglu", "relu") == only
 

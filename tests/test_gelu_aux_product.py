@@ -1,5 +1,5 @@
 """Triton fused_mlp's "cublaslt" variant: gelu_tanh's first product through cuBLASLt's GELU_AUX_BIAS
-epilogue (dispatch/backends/cublaslt/gelu_aux.py). With a stand-in for nvmath's Matmul that computes the
+epilogue (dispatch/backends/triton/gelu_aux.py). With a stand-in for nvmath's Matmul that computes the
 epilogue as cuBLASLt defines it (a^T and pre^T column-major, the bias along the result's rows), the
 block's output and every gradient match the float64 reference, no forward pass runs, backward forms no
 a, one plan serves each shape and holds no tensor between calls; calls the epilogue does not serve take
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from test_triton_fused_mlp import BF16, F32, _inputs, assert_matches
 
-from dispatch.backends.cublaslt import gelu_aux
+from dispatch.backends.triton import gelu_aux
 from dispatch.backends.triton import fused_mlp as triton_fused_mlp
 from dispatch.backends.triton import mlp_hidden
 

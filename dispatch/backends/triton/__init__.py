@@ -12,7 +12,7 @@ docstring says how), with the files it splits off: ``fused_linear.py`` infers on
 ``matmul.py`` (its kernels, tile configs and ``launch``), ``fused_mlp.py`` runs the hidden layer's
 passes of ``mlp_hidden.py`` or, in its "epilogues" variant, ``mlp_gemm.py``'s persistent GEMMs (and
 gelu_tanh's first product in cuBLASLt's epilogue where nvmath-python is installed, the ``cuda`` extra:
-``backends/cublaslt/gelu_aux.py``), and an ``<op>_kernels.py`` holds an op's jitted kernels;
+``gelu_aux.py``), and an ``<op>_kernels.py`` holds an op's jitted kernels;
 ``activations.py`` (the activation table) and ``philox.py`` (the dropout RNG spec) are the jitted
 helpers the kernels share; ``launch.py`` caches compiled kernels for cheap launches.
 """
