@@ -27,7 +27,7 @@ class FakeMatmul:
     made: list["FakeMatmul"] = []
 
     def __init__(self, a, b, bias):
-        self.a, self.b, self.bias, self.executed, self.released = a, b, bias, 0, 0
+        self.a, self.b, self.bias, self.executed, self.released, self.freed = a, b, bias, 0, 0, False
         FakeMatmul.made.append(self)
 
     def reset_operands_unchecked(self, a, b, epilog_inputs):
@@ -45,12 +45,15 @@ class FakeMatmul:
         self.a = self.b = self.bias = None
         self.released += 1
 
+    def free(self):
+        self.freed = True
+
 
 @pytest.fixture
 def fake(monkeypatch):
     """nvmath "installed" on every device, its Matmul the stand-in; passes counted."""
     FakeMatmul.made = []
-    monkeypatch.setattr(gelu_aux, "_plans", {})
+    monkeypatch.setattr(gelu_aux, "_plans", type(gelu_aux._plans)())
     monkeypatch.setattr(gelu_aux, "_installed", [True])
     monkeypatch.setattr(gelu_aux, "DEVICES", ("cpu", "cuda"))
     monkeypatch.setattr(gelu_aux, "_plan", lambda x, w, b: FakeMatmul(w, x.t(), b))
@@ -78,6 +81,18 @@ def test_leading_dims_and_a_second_shape_plan_again(fake, device):
     assert_matches(tensors, "gelu_tanh", 0.0, 0.0)
     assert_matches(_inputs("gelu_tanh", False, True, BF16, (32, 16, 24, 16), device), "gelu_tanh", 0.0, 0.0)
     assert [p.executed for p in FakeMatmul.made] == [1, 1]
+
+
+def test_plans_for_many_token_counts_are_bounded(fake, device, monkeypatch):
+    """Token counts change per batch: the least recently used plan goes (freed) past MAX_PLANS."""
+    monkeypatch.setattr(gelu_aux, "MAX_PLANS", 2)
+    w, b = torch.randn(24, 16, device=device).to(BF16), torch.randn(24, device=device).to(BF16)
+    for m in (16, 24, 16, 32):  # 16 used again before 32 comes: 24 is the one evicted
+        a, pre = gelu_aux.gelu_aux_bias(torch.randn(m, 16, device=device).to(BF16), w, b)
+        assert a.shape == pre.shape == (m, 24)
+    assert [p.executed for p in FakeMatmul.made] == [2, 1, 1]
+    assert [p.freed for p in FakeMatmul.made] == [False, True, False]
+    assert [k[0] for k in gelu_aux._plans] == [16, 32]
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ plus a 33 us pass.
 
 cuBLASLt writes an epilogue's outputs column-major, so the product is posed transposed, (W, x^T) -> a^T:
 a^T column-major is a, (M, F), row-major; the aux output (pre^T) likewise. One plan per (M, H, F, dtype,
-device), its operands rebound each call and released after it (a plan holds no tensor between calls).
+device), the last MAX_PLANS kept, its operands rebound each call and released after it (a plan holds
+no tensor between calls).
 A call returns None where it cannot run: nvmath not installed, operands it does not take, or a first
 call for a shape while a CUDA graph is being captured (planning allocates and synchronizes).
 """
@@ -14,6 +15,7 @@ call for a shape while a CUDA graph is being captured (planning allocates and sy
 from __future__ import annotations
 
 import importlib.util
+from collections import OrderedDict
 from typing import Any, Optional
 
 import torch
@@ -22,7 +24,10 @@ from torch import Tensor
 DTYPES = (torch.float16, torch.bfloat16)
 DEVICES = ("cuda",)
 _ALIGN = 16  # bytes: cuBLASLt's plan assumes operands aligned as the first call's (torch allocates 512)
-_plans: dict[tuple, Any] = {}  # key -> a planned nvmath Matmul, or None where planning failed
+# key -> a planned nvmath Matmul (None where planning failed), least recently used first; a plan holds
+# cuBLASLt's descriptors and workspace, and token counts change from batch to batch
+_plans: OrderedDict[tuple, Any] = OrderedDict()
+MAX_PLANS = 8
 _installed: list[bool] = []
 
 
@@ -68,7 +73,12 @@ def gelu_aux_bias(x: Tensor, w: Tensor, b: Tensor) -> Optional[tuple[Tensor, Ten
         except Exception:  # an nvmath or cuBLASLt that declines this problem: the caller's other path
             _plans[key] = None
         mm = _plans[key]
+        while len(_plans) > MAX_PLANS:
+            _, old = _plans.popitem(last=False)
+            if old is not None:
+                old.free()
     else:
+        _plans.move_to_end(key)
         mm = _plans[key]
         if mm is not None:
             mm.reset_operands_unchecked(a=w, b=x.t(), epilog_inputs={"bias": b})
