@@ -56,6 +56,7 @@ class Memo:
         if entry is None or entry[0] != probe:
             call = make_call()
             entry = self.entry = (probe, select.decision(select.key(call, None)))
+            select.prepare_capture(entry[1], call)
             plain = entry[1].backend.name == "pytorch"
             self.token = plain_token(call, token) if plain and entry[1].captured is None else None
             self.span = plain_span(call, state, token, entry[1]) if plain and probe[2] is None else None

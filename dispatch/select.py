@@ -128,11 +128,21 @@ def runner(key: Key, spec: OpSpec) -> Callable[[OpCall], Tensor]:
         call = key.call if type(key) is Request else key
         impl = spec.runner(found.backend.kernels_for(call.op), call)
         if found.captured is not None:
+            prepare_capture(found, call)
             impl = _ByCapture(impl, spec.runner(found.captured.kernels_for(call.op), call))
         _impls[key] = impl
     if type(impl) is _ByCapture:
         return impl.captured if capturing() else impl.host  # type: ignore
     return impl  # type: ignore[return-value]  # the value in hand: another thread may have cleared the caches
+
+
+def prepare_capture(found: Decision, call: Call) -> None:
+    """Where ``found`` names a backend for calls under CUDA-graph capture, what that backend does ahead
+    for such calls (``Kernels.prepare``), called as the decision is first used: a warm-up's call is
+    eager, where the capture's first call could not plan or allocate."""
+    kernels = found.captured.kernels_for(call.op) if found.captured is not None else None
+    if kernels is not None and kernels.prepare is not None:
+        kernels.prepare(call)
 
 
 def capturing() -> bool:

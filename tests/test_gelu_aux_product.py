@@ -95,6 +95,34 @@ def test_plans_for_many_token_counts_are_bounded(fake, device, monkeypatch):
     assert [k[0] for k in gelu_aux._plans] == [16, 32]
 
 
+def test_the_dispatcher_plans_ahead_for_a_capture_pick(fake, device, user_dir, monkeypatch):
+    """Where a decision runs plain PyTorch but triton under CUDA-graph capture (a GPU's host-bound cell;
+    made here by hand), the key's first call, eager, plans the product (and holds no tensor), so the
+    capture's first call finds it; it runs no product itself. A key without a capture pick plans none."""
+    import dataclasses
+
+    from dispatch import fused_mlp, select
+
+    real, triton = select.decision, select.backends()["triton"]
+    x, w_in, _, b_in, _, w_out, b_out = _inputs("gelu_tanh", False, True, BF16, (24, 16, 32, 16), device)
+    fused_mlp(x.requires_grad_(), w_in, b_in, w_out, b_out, "gelu_tanh")
+    assert FakeMatmul.made == []
+    monkeypatch.setattr(select, "decision", lambda key: dataclasses.replace(real(key), captured=triton))
+    select.clear_cache()
+    y = fused_mlp(x, w_in, b_in, w_out, b_out, "gelu_tanh")
+    (plan,) = FakeMatmul.made
+    assert plan.a is None and plan.executed == 0 and y.shape == (24, 16)
+    assert list(gelu_aux._plans) == [(24, 16, 32, BF16, x.device)]
+    fused_mlp(x, w_in, b_in, w_out, b_out, "gelu_tanh")  # the key decided: not planned again
+    assert len(FakeMatmul.made) == 1
+    # a patched block's module decides through its memo, and runs its own forward where plain
+    from dispatch.nn import FusedMLP
+
+    block = FusedMLP(16, 32, activation="gelu_tanh", p_out=0.1, device=device, dtype=BF16)
+    block(torch.randn(40, 16, device=device).to(BF16))
+    assert [k[0] for k in gelu_aux._plans] == [24, 40] and FakeMatmul.made[1].executed == 0
+
+
 @pytest.mark.parametrize(
     "case",
     ["hidden dropout", "no bias", "rows not a multiple of 8", "float32", "relu", "variant passes"],

@@ -99,6 +99,9 @@ class Kernels:
     autograd: Callable[[Optional[str]], bool] = _never
     masks: str = "spec"
     any_shape: bool = False  # forward and inference take x (..., features) as the caller gave it
+    # prepare(call): work done outside a CUDA-graph capture for calls of this kind that the backend will
+    # first see inside one (the dispatcher calls it where a decision names the backend for capture)
+    prepare: Optional[Callable[["Call"], None]] = None
 
 
 def _always(activation: str) -> bool:

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from dispatch.backends.triton import bias_act_dropout, fused_linear, gelu_aux, mlp_gemm, mlp_hidden
 from dispatch.contracts.activations import GATES
-from dispatch.contracts.backend import Kernels
+from dispatch.contracts.backend import Call, Kernels
 from dispatch.ops.fused_mlp_math import MLPOperands, gate_halves
 
 VARIANTS = ("passes", "keep", "epilogues", "cublaslt")
@@ -230,4 +230,18 @@ def backward(
     return grad_x, grad_w_in, grad_w_up, grad_b_in, grad_b_up, grad_w_out, grad_b_out
 
 
-KERNELS = Kernels(forward=forward, backward=backward, inference=inference)
+def prepare(call: Call) -> None:
+    """Plans gelu_tanh's cuBLASLt product for a training call of this kind (M, H, F) where the
+    dispatcher runs triton under CUDA-graph capture alone: a benchmark's eager warm-up then runs plain
+    PyTorch, and the capture's first call could not plan it (the passes would run: GPT-2's block 464
+    against 446 us, H100)."""
+    if call.activation != "gelu_tanh" or not call.training or (_chosen[0] or DEFAULT_VARIANT) != "cublaslt":
+        return
+    if call.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return  # too late: no plan can be made inside the capture
+    m, h, f = call.shape
+    new = lambda *shape: torch.empty(shape, dtype=call.dtype, device=call.device)  # noqa: E731
+    gelu_aux.prepare(new(m, h), new(f, h), new(f))
+
+
+KERNELS = Kernels(forward=forward, backward=backward, inference=inference, prepare=prepare)

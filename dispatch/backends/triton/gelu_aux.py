@@ -9,7 +9,8 @@ a^T column-major is a, (M, F), row-major; the aux output (pre^T) likewise. One p
 device), the last MAX_PLANS kept, its operands rebound each call and released after it (a plan holds
 no tensor between calls).
 A call returns None where it cannot run: nvmath not installed, operands it does not take, or a first
-call for a shape while a CUDA graph is being captured (planning allocates and synchronizes).
+call for a shape while a CUDA graph is being captured (planning allocates and synchronizes; the
+dispatcher plans ahead, ``prepare``, where its decision runs triton under capture alone).
 """
 
 from __future__ import annotations
@@ -60,30 +61,43 @@ def _plan(x: Tensor, w: Tensor, b: Tensor) -> Any:
     return mm
 
 
+def planned(x: Tensor, w: Tensor, b: Tensor) -> tuple[bool, Any]:
+    """(whether the plan is new, the plan for these operands' key or None), planned here where it is
+    missing and no CUDA graph is being captured."""
+    if not (available() and takes(x, w, b)):
+        return False, None
+    key = (*x.shape, w.shape[0], x.dtype, x.device)
+    if key in _plans:
+        _plans.move_to_end(key)
+        return False, _plans[key]
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False, None
+    try:
+        _plans[key] = _plan(x, w, b)
+    except Exception:  # an nvmath or cuBLASLt that declines this problem: the caller's other path
+        _plans[key] = None
+    while len(_plans) > MAX_PLANS:
+        _, old = _plans.popitem(last=False)
+        if old is not None:
+            old.free()
+    return True, _plans[key]
+
+
+def prepare(x: Tensor, w: Tensor, b: Tensor) -> None:
+    """Plans the product for operands shaped as these (their values unused), holding none of them: for
+    calls first made inside a CUDA-graph capture, where no plan can be made."""
+    new, mm = planned(x, w, b)
+    if new and mm is not None:
+        mm.release_operands()
+
+
 def gelu_aux_bias(x: Tensor, w: Tensor, b: Tensor) -> Optional[tuple[Tensor, Tensor]]:
     """(a, pre), both (M, F) row-major, or None where this product cannot run (see the module)."""
-    if not (available() and takes(x, w, b)):
-        return None
-    key = (*x.shape, w.shape[0], x.dtype, x.device)
-    if key not in _plans:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        try:
-            _plans[key] = _plan(x, w, b)
-        except Exception:  # an nvmath or cuBLASLt that declines this problem: the caller's other path
-            _plans[key] = None
-        mm = _plans[key]
-        while len(_plans) > MAX_PLANS:
-            _, old = _plans.popitem(last=False)
-            if old is not None:
-                old.free()
-    else:
-        _plans.move_to_end(key)
-        mm = _plans[key]
-        if mm is not None:
-            mm.reset_operands_unchecked(a=w, b=x.t(), epilog_inputs={"bias": b})
+    new, mm = planned(x, w, b)
     if mm is None:
         return None
+    if not new:  # a new plan holds these operands already
+        mm.reset_operands_unchecked(a=w, b=x.t(), epilog_inputs={"bias": b})
     try:
         a_t, aux = mm.execute()  # (F, M) column-major, {"gelu_aux": (F, M)}
     finally:
