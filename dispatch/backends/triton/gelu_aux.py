@@ -16,6 +16,7 @@ dispatcher plans ahead, ``prepare``, where its decision runs triton under captur
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from collections import OrderedDict
 from typing import Any, Optional
 
@@ -74,8 +75,11 @@ def planned(x: Tensor, w: Tensor, b: Tensor) -> tuple[bool, Any]:
         return False, None
     try:
         _plans[key] = _plan(x, w, b)
-    except Exception:  # an nvmath or cuBLASLt that declines this problem: the caller's other path
+    except Exception as exc:  # nvmath or cuBLASLt declines this problem: the caller's other path
         _plans[key] = None
+        what = f"x {tuple(x.shape)}, W {tuple(w.shape)}, {x.dtype} ({type(exc).__name__}: {exc})"
+        warnings.warn(f"triton fused_mlp: cuBLASLt's GELU_AUX_BIAS product cannot run for {what}; the passes "
+                      "run instead", RuntimeWarning, stacklevel=2)  # fmt: skip
     while len(_plans) > MAX_PLANS:
         _, old = _plans.popitem(last=False)
         if old is not None:
