@@ -105,7 +105,8 @@ for arg in "$@"; do
     gputests)
       n=${GPU_N:-8}
       [ "$n" = 0 ] && n=
-      stage gputests "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=25 -rfE \
+      # -v: a log cut by the stage's limit names every test that finished (the straggler is the one missing)
+      stage gputests "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=25 -rfE \
         --timeout "${GPU_TIMEOUT:-60}" ${n:+-n "$n"} ${GPU_K:+-k "$GPU_K"} ${GPU_TESTS:-tests} ;;
     cputests) stage cputests "$limit" python3 -m pytest -q -p no:cacheprovider -x tests ;;
     pytest) stage pytest "$limit" bash -c "python3 -m pytest -q -p no:cacheprovider -rfE ${PYTEST_ARGS:?}" ;;
