@@ -212,6 +212,13 @@ def keeping() -> ContextManager:
     return triton_mlp.options(variant="keep")
 
 
+def passes() -> ContextManager:
+    """Triton's fused_mlp in its "passes" variant, where the default would run "cublaslt"."""
+    from dispatch.backends.triton import fused_mlp as triton_mlp
+
+    return triton_mlp.options(variant="passes")
+
+
 def entries(models: Models, p: float, training: bool, backends: list[str]) -> dict[str, Entry]:
     """Every contender at dropout ``p`` (the module's own dropout set to it) in training or eval mode."""
     module, w, act = models.module, models.weights, models.activation
@@ -227,6 +234,8 @@ def entries(models: Models, p: float, training: bool, backends: list[str]) -> di
         fn = mlp(w, act, p, training, "triton")
         out["mlp/triton+epilogues"] = Entry(fn, w.present, w.pair, epilogues)
         out["mlp/triton+keep"] = Entry(fn, w.present, w.pair, keeping)
+        if act == "gelu_tanh" and p == 0:  # the default is "cublaslt" here where nvmath is installed
+            out["mlp/triton+passes"] = Entry(fn, w.present, w.pair, passes)
         # under torch.compile with a backend named the block is one opaque custom op: against
         # "compile" (inductor's own graph of the module) this decides where fused_mlp traces as what
         opaque = torch.compile(mlp(w, act, p, training, "triton"), fullgraph=True, dynamic=False)

@@ -41,7 +41,7 @@ from dispatch import timing
 
 PROBE_BLOCKS = {**BLOCKS, "gpt2-relu": (768, 3072, "relu", 0.0),
                 "bert-large-tanh": (1024, 4096, "gelu_tanh", 0.0)}  # fmt: skip
-KEEP = ("pytorch", "compile", "mlp/triton", "mlp/triton+keep", "mlp/dispatch")
+KEEP = ("pytorch", "compile", "mlp/triton", "mlp/triton+passes", "mlp/triton+keep", "mlp/dispatch")
 FORWARD = {  # activation -> (training epilogue, its aux output, inference epilogue)
     "gelu_tanh": ("GELU_AUX_BIAS", "gelu_aux", "GELU_BIAS"),
     "relu": ("RELU_AUX_BIAS", "relu_aux", "RELU_BIAS"),
