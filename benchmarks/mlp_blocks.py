@@ -198,25 +198,11 @@ def mlp(w: Weights, activation: str, p: float, training: bool, backend: Optional
     return lambda x: fused_mlp(x, *w, activation, p, 0.0, training, backend=backend)
 
 
-def epilogues() -> ContextManager:
-    """Triton's fused_mlp in its "epilogues" variant, forward and backward."""
+def variant(name: str) -> ContextManager:
+    """Triton's fused_mlp forced into one of its variants (``fused_mlp.VARIANTS``), forward and backward."""
     from dispatch.backends.triton import fused_mlp as triton_mlp
 
-    return triton_mlp.options(variant="epilogues")
-
-
-def keeping() -> ContextManager:
-    """Triton's fused_mlp in its "keep" variant: a kept beside pre, not formed again in backward."""
-    from dispatch.backends.triton import fused_mlp as triton_mlp
-
-    return triton_mlp.options(variant="keep")
-
-
-def passes() -> ContextManager:
-    """Triton's fused_mlp in its "passes" variant, where the default would run "cublaslt"."""
-    from dispatch.backends.triton import fused_mlp as triton_mlp
-
-    return triton_mlp.options(variant="passes")
+    return triton_mlp.options(variant=name)
 
 
 def entries(models: Models, p: float, training: bool, backends: list[str]) -> dict[str, Entry]:
@@ -232,10 +218,10 @@ def entries(models: Models, p: float, training: bool, backends: list[str]) -> di
         out[f"mlp/{name or 'dispatch'}"] = Entry(mlp(w, act, p, training, name), w.present, w.pair)
     if "triton" in backends:  # the variant with the passes in the GEMMs' epilogues
         fn = mlp(w, act, p, training, "triton")
-        out["mlp/triton+epilogues"] = Entry(fn, w.present, w.pair, epilogues)
-        out["mlp/triton+keep"] = Entry(fn, w.present, w.pair, keeping)
+        out["mlp/triton+epilogues"] = Entry(fn, w.present, w.pair, functools.partial(variant, "epilogues"))
+        out["mlp/triton+keep"] = Entry(fn, w.present, w.pair, functools.partial(variant, "keep"))
         if act == "gelu_tanh" and p == 0:  # the default is "cublaslt" here where nvmath is installed
-            out["mlp/triton+passes"] = Entry(fn, w.present, w.pair, passes)
+            out["mlp/triton+passes"] = Entry(fn, w.present, w.pair, functools.partial(variant, "passes"))
         # under torch.compile with a backend named the block is one opaque custom op: against
         # "compile" (inductor's own graph of the module) this decides where fused_mlp traces as what
         opaque = torch.compile(mlp(w, act, p, training, "triton"), fullgraph=True, dynamic=False)

@@ -12,8 +12,9 @@ the pre-activation is > 0): forward keeps y, as torch.relu keeps its result. GEL
 pre-activation, which the epilogue does not return: forward keeps nothing and backward recomputes it
 with one GEMM (bias again in the epilogue), a third GEMM against eager's two plus pointwise passes,
 which the calibration tables weigh. (cuBLASLt's GELU_AUX_BIAS epilogue returns it, through
-nvmath-python, but a forward costs 174 us of host time rebinding its operands against
-_addmm_activation's 22, for 2% of GPU time: not worth the dependency.)
+nvmath-python, the optional ``cuda`` extra that triton fused_mlp's first product uses, but for one
+linear layer a forward costs 174 us of host time rebinding its operands against _addmm_activation's
+22, for 2% of GPU time.)
 """
 
 from __future__ import annotations
