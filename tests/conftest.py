@@ -30,6 +30,9 @@ os.environ["DISPATCH_HEURISTICS_DIR"] = tempfile.mkdtemp(prefix="fusedispatch-he
 
 
 def pytest_collection_modifyitems(config, items):
+    # the long tests first: pytest-xdist hands tests out in this order, and a 27 s test handed out last
+    # is the whole run's tail
+    items.sort(key=lambda item: "long" not in item.keywords)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device with -m gpu)")

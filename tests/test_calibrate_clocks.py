@@ -189,6 +189,7 @@ def test_tiny_real_run_on_cpu(user_dir, capsys):
 
 
 @pytest.mark.gpu
+@pytest.mark.long
 def test_small_calibration_on_gpu(user_dir, capsys):
     """Every available backend, a few shapes, real clocks: GPU time from graphs (or the fallback named
     in the point), host cost behind a busy queue, the baseline at every point."""

@@ -77,6 +77,7 @@ def test_wrong_gradient_and_crash_fail(capsys, monkeypatch, clean_cache):
 
 
 @pytest.mark.gpu
+@pytest.mark.long
 def test_quick_passes_for_every_backend_on_gpu(capsys, clean_cache):
     """Every backend that compiles nothing per kind of call (inductor and nvfuser take minutes of
     compiles for the quick grid; their test files check them against the same reference)."""
