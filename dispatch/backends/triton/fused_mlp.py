@@ -75,12 +75,17 @@ def options(variant: Optional[str] = None) -> Iterator[None]:
         _chosen[0] = saved
 
 
+def _current() -> str:
+    """The variant in force: the one ``options`` forces, else the default."""
+    return _chosen[0] or DEFAULT_VARIANT
+
+
 def _variant(b: MLPOperands) -> bool:
     """Whether this call's products run with the epilogues: asked for, and operands they serve (no
     empty dims, a pair's weights of one layout; the spec's biases are contiguous); "passes" otherwise.
     ``options`` is process-wide (benchmarks, tests): a forward and its backward may run different
     variants, which give the same gradients."""
-    if (_chosen[0] or DEFAULT_VARIANT) != "epilogues":
+    if _current() != "epilogues":
         return False
     return min(*b.x.shape, *b.w_out.shape) > 0 and (b.w_up is None or b.w_up.stride() == b.w_in.stride())
 
@@ -117,7 +122,7 @@ def _in_product(b: MLPOperands, training: bool) -> bool:
 def _gelu_aux(b: MLPOperands) -> Optional[tuple[Tensor, Tensor]]:
     """(a, pre) from the first product with cuBLASLt's GELU_AUX_BIAS epilogue, or None: variant
     "cublaslt" (the default), gelu_tanh, no hidden dropout, one weight with a bias, operands it takes."""
-    if (_chosen[0] or DEFAULT_VARIANT) != "cublaslt" or b.activation != "gelu_tanh" or b.p > 0:
+    if _current() != "cublaslt" or b.activation != "gelu_tanh" or b.p > 0:
         return None
     if b.w_up is not None or b.b_in is None:
         return None
@@ -230,23 +235,13 @@ def backward(
     return grad_x, grad_w_in, grad_w_up, grad_b_in, grad_b_up, grad_w_out, grad_b_out
 
 
-PREPARE_ELEMENTS = 2**27  # empty x and W_in that prepare allocates for a plan: 256 MiB in bf16
-
-
 def prepare(call: Call) -> None:
     """Plans gelu_tanh's cuBLASLt product for a training call of this kind (M, H, F) where the
     dispatcher runs triton under CUDA-graph capture alone: a benchmark's eager warm-up then runs plain
     PyTorch, and the capture's first call could not plan it (the passes would run: GPT-2's block 464
-    against 446 us, H100)."""
-    if call.activation != "gelu_tanh" or not call.training or (_chosen[0] or DEFAULT_VARIANT) != "cublaslt":
-        return
-    if call.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return  # too late: no plan can be made inside the capture
-    m, h, f = call.shape
-    if (m + f) * h > PREPARE_ELEMENTS:
-        return  # the stand-in operands would cost more memory than a capture's passes cost time
-    new = lambda *shape: torch.empty(shape, dtype=call.dtype, device=call.device)  # noqa: E731
-    gelu_aux.prepare(new(m, h), new(f, h), new(f))
+    against 442-455 us, H100)."""
+    if call.activation == "gelu_tanh" and call.training and _current() == "cublaslt":
+        gelu_aux.prepare(*call.shape, call.dtype, call.device)
 
 
 KERNELS = Kernels(forward=forward, backward=backward, inference=inference, prepare=prepare)

@@ -30,6 +30,8 @@ _ALIGN = 16  # bytes: cuBLASLt's plan assumes operands aligned as the first call
 # cuBLASLt's descriptors and workspace, and token counts change from batch to batch
 _plans: OrderedDict[tuple, Any] = OrderedDict()
 MAX_PLANS = 8
+# prepare's stand-in x and W at most: 256 MiB in bf16 costs more memory than a capture's passes cost time
+PREPARE_ELEMENTS = 2**27
 _installed: list[bool] = []
 
 
@@ -40,15 +42,19 @@ def available() -> bool:
     return _installed[0]
 
 
+def _fits(m: int, h: int, f: int, dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type in DEVICES and dtype in DTYPES and min(m, h, f) > 8 and (m | h | f) % 8 == 0
+
+
 def takes(x: Tensor, w: Tensor, b: Tensor) -> bool:
     """Operands the epilogue serves as planned: CUDA, float16/bfloat16, x (M, H) and W (F, H) row-major,
     b (F,) contiguous, all of one dtype, M, H, F multiples of 8 (aux rows 16-byte aligned) and > 8."""
-    if not (x.device.type in DEVICES and x.dtype in DTYPES and x.dim() == w.dim() == 2 and b.dim() == 1):
-        return False
-    if not (w.dtype == b.dtype == x.dtype and w.device == b.device == x.device):
+    if not (x.dim() == w.dim() == 2 and b.dim() == 1 and w.dtype == b.dtype == x.dtype):
         return False
     (m, h), f = x.shape, w.shape[0]
-    if w.shape[1] != h or b.shape[0] != f or min(m, h, f) <= 8 or (m | h | f) % 8:
+    if not (_fits(m, h, f, x.dtype, x.device) and w.device == b.device == x.device):
+        return False
+    if w.shape[1] != h or b.shape[0] != f:
         return False
     contiguous = x.is_contiguous() and w.is_contiguous() and b.is_contiguous()
     return contiguous and all(t.data_ptr() % _ALIGN == 0 for t in (x, w, b))
@@ -87,11 +93,17 @@ def planned(x: Tensor, w: Tensor, b: Tensor) -> tuple[bool, Any]:
     return True, _plans[key]
 
 
-def prepare(x: Tensor, w: Tensor, b: Tensor) -> None:
-    """Plans the product for operands shaped as these (their values unused), holding none of them: for
-    calls first made inside a CUDA-graph capture, where no plan can be made."""
-    new, mm = planned(x, w, b)
-    if new and mm is not None:
+def prepare(m: int, h: int, f: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Plans the product for x (m, h) and W (f, h) from empty stand-ins, holding none of them: for calls
+    first made inside a CUDA-graph capture, where no plan can be made. Nothing is allocated where the
+    product cannot run, inside a capture, or past PREPARE_ELEMENTS."""
+    if not (available() and _fits(m, h, f, dtype, device)) or (m + f) * h > PREPARE_ELEMENTS:
+        return
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return  # too late: no plan can be made inside the capture
+    new = lambda *shape: torch.empty(shape, dtype=dtype, device=device)  # noqa: E731
+    made, mm = planned(new(m, h), new(f, h), new(f))
+    if made and mm is not None:
         mm.release_operands()
 
 
